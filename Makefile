@@ -1,0 +1,55 @@
+# gradkit: `make demo` runs the main job, `make test` the test suite; both set up .venv first.
+# The pinned CPU wheel of torch is installed only when the venv has no torch yet, so GPU users
+# can pre-install their own build (or override TORCH_SPEC).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: help setup setup-dev setup-bench torch demo test lint format bench clean
+
+help:
+	@echo "make demo   set up .venv and run 'gradkit demo' (report under runs/)"
+	@echo "make test   set up .venv with the dev extra and run the whole test suite"
+	@echo "make lint   ruff + mypy on src/"
+	@echo "make bench  gradkit against its peers, side by side (benchmarks/results/)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+torch: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+
+setup: torch
+	$(PIP) install -e ".[demo]"
+
+setup-dev: torch
+	$(PIP) install -e ".[dev,demo]"
+
+setup-bench: setup-dev
+	$(PIP) install -e ".[bench]"
+	$(PIP) install --no-deps backpack-for-pytorch
+
+demo: setup
+	$(VENV)/bin/gradkit demo $(DEMO_ARGS)
+
+test: setup-dev
+	$(PY) -m pytest
+
+lint: setup-dev
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m mypy
+
+format: setup-dev
+	$(PY) -m ruff format src tests benchmarks examples
+	$(PY) -m ruff check --fix src tests benchmarks examples
+
+bench: setup-bench
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

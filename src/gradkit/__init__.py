@@ -1,0 +1,14 @@
+"""gradkit: everything about gradients that ``loss.backward()`` does not give you.
+
+Pillars (each a subpackage):
+
+* :mod:`gradkit.func`: TensorFlow-style ``gradients``/``hessians`` on PyTorch graphs, Jacobians
+  with automatic forward/reverse choice, Hessians, HVP operators, ``custom_gradient``.
+* :mod:`gradkit.testing`: the oracles every result is checked against.
+"""
+
+from gradkit import func, testing
+from gradkit._errors import GradkitError
+from gradkit._version import __version__
+
+__all__ = ["GradkitError", "__version__", "func", "testing"]

@@ -1,0 +1,5 @@
+"""The ``gradkit`` command line."""
+
+from gradkit.cli._main import main
+
+__all__ = ["main"]

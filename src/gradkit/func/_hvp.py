@@ -1,0 +1,241 @@
+"""Hessian-vector products: one-off (:func:`hvp`) and as a reusable operator
+(:func:`hvp_operator`) that computes the first gradient once and keeps its graph.
+
+Method: double backward (reverse over reverse), the fastest HVP in eager PyTorch on CPU
+(about 2.4x a gradient, and about 1.4x per extra vector when the first-gradient graph is kept;
+forward over reverse costs about 5x). Inside ``torch.func`` transforms (e.g. under ``vmap``)
+double backward through ``torch.autograd`` is not available, and forward over reverse is used.
+
+Convention, pinned by a test: for :math:`f(x) = \\tfrac12 x^\\top A x` the Hessian is
+:math:`(A + A^\\top)/2` and the HVP is :math:`(A + A^\\top) v / 2` (TensorFlow's private
+``_hessian_vector_product`` docstring says :math:`(A + A^\\top) v`, a factor-2 slip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradkit._errors import describe, message
+from gradkit._validate import check_choice
+from gradkit.func._transforms import _as_tuple, _check_like, _check_scalar, _name
+
+__all__ = ["HVPOperator", "hvp", "hvp_operator"]
+
+_METHODS = ("auto", "reverse_over_reverse", "forward_over_reverse")
+
+
+def _is_transformed(t: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(t)) if check is not None else False
+
+
+def _second_grads(gs: Sequence[torch.Tensor | None], xs: Sequence[torch.Tensor],
+                  vs: Sequence[torch.Tensor], *, batched: bool = False,
+                  create_graph: bool = False) -> list[torch.Tensor]:
+    """``d/dx sum_k <g_k, v_k>`` by one backward through the first-gradient graph ``gs``.
+
+    With ``batched=True`` each ``v_k`` carries a leading dimension of vectors (vectorized
+    backward). Gradients that do not depend on ``xs`` (a linear function) contribute zeros.
+    """
+    live = [k for k, g in enumerate(gs) if g is not None and g.requires_grad]
+    lead = (vs[0].shape[0],) if batched else ()
+    if not live:
+        return [x.new_zeros(*lead, *x.shape) for x in xs]
+    res = torch.autograd.grad([gs[k] for k in live], list(xs),  # type: ignore[misc]
+                              grad_outputs=[vs[k] for k in live], retain_graph=True,
+                              create_graph=create_graph, allow_unused=True,
+                              is_grads_batched=batched)
+    return [x.new_zeros(*lead, *x.shape) if r is None else r for r, x in zip(res, xs)]
+
+
+def hvp(f: Callable[..., torch.Tensor], args: Any, v: Any, *, method: str = "auto"
+        ) -> tuple[torch.Tensor, Any]:
+    r"""Hessian-vector product of a scalar function: ``(f(*args), H v)``.
+
+    .. math:: \text{out}_k = \sum_j \frac{\partial^2 f}{\partial \text{args}_k
+              \partial \text{args}_j} v_j
+
+    Args:
+        f: function of tensors returning a scalar tensor.
+        args: a tensor or a tuple of tensors (the point).
+        v: vectors with the structure and shapes of ``args``.
+        method: ``"auto"`` (double backward, or forward over reverse inside ``torch.func``
+            transforms), ``"reverse_over_reverse"`` or ``"forward_over_reverse"``.
+
+    Returns:
+        ``(value, hvp)``, ``hvp`` mirroring ``args``. A function whose second derivative is
+        identically zero gives zeros. The result is detached from any graph ``args`` belong to.
+
+    Examples:
+        >>> import torch
+        >>> from gradkit.func import hvp
+        >>> value, hv = hvp(lambda x: (x**3).sum(), torch.tensor([1.0, 2.0]),
+        ...                 torch.tensor([1.0, 0.0]))
+        >>> hv
+        tensor([6., 0.])
+        >>> hvp(lambda x: (3 * x).sum(), torch.tensor([1.0]), torch.tensor([1.0]))[1]
+        tensor([0.])
+    """
+    call = f"hvp({_name(f)})"
+    check_choice(method, _METHODS, call, "method")
+    primals, was_seq = _as_tuple(args, call, "args")
+    vs, _ = _as_tuple(v, call, "v")
+    _check_like(vs, primals, call, "v", "argument")
+    if method == "forward_over_reverse" or (
+            method == "auto" and any(_is_transformed(p) for p in (*primals, *vs))):
+        def grad_f(*p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.func.grad(f, argnums=tuple(range(len(p))))(*p)  # type: ignore[no-any-return]
+        value = f(*primals)
+        _check_scalar(value, call)
+        _, hv = torch.func.jvp(grad_f, primals, vs)
+        res = list(hv)
+    else:
+        with torch.enable_grad():
+            xs = [p.detach().requires_grad_(True) for p in primals]
+            value = f(*xs)
+            _check_scalar(value, call)
+            gs = torch.autograd.grad(value, xs, create_graph=True, allow_unused=True)
+            res = _second_grads(gs, xs, vs)
+        value = value.detach()
+    return value, (tuple(res) if was_seq else res[0])
+
+
+class HVPOperator:
+    """The Hessian of a scalar at a fixed point as a matrix-free linear operator.
+
+    The first gradient is computed once, with its graph kept; each product is one backward
+    through that graph. Vectors are flat: the arguments are concatenated in order
+    (:meth:`flatten` / :meth:`unflatten` convert). Follows scipy's convention: ``op @ v`` for a
+    vector ``[n]``, ``op @ V`` for a matrix ``[n, k]`` whose columns are vectors.
+
+    Attributes:
+        shape: ``(n, n)``.
+        value: the scalar at the point (detached).
+        gradient: the flat gradient at the point (detached), ``[n]``.
+    """
+
+    def __init__(self, value: torch.Tensor, xs: Sequence[torch.Tensor], *,
+                 chunk_size: int | None = None, call: str = "hvp_operator") -> None:
+        _check_scalar(value, call)
+        dtypes = {x.dtype for x in xs}
+        if len(dtypes) != 1:
+            raise TypeError(message(call, "args", "tensors of one dtype",
+                                    ", ".join(str(d) for d in dtypes),
+                                    "convert the arguments to one dtype"))
+        self._xs = list(xs)
+        self._gs = torch.autograd.grad(value, self._xs, create_graph=True, allow_unused=True)
+        self._sizes = [x.numel() for x in self._xs]
+        n = sum(self._sizes)
+        self.shape = (n, n)
+        self.dtype = self._xs[0].dtype
+        self.device = self._xs[0].device
+        self.chunk_size = chunk_size
+        self.value = value.detach()
+        self.gradient = torch.cat([
+            (torch.zeros_like(x) if g is None else g.detach()).reshape(-1)
+            for g, x in zip(self._gs, self._xs)])
+        self._call = call
+
+    def __repr__(self) -> str:
+        return f"HVPOperator(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Concatenate tensors shaped like the arguments into one vector ``[n]``."""
+        _check_like(tensors, self._xs, self._call, "tensors", "argument")
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        """Split a vector ``[n]`` (or ``[n, k]``) into pieces shaped like the arguments."""
+        tail = vector.shape[1:]
+        return [p.reshape(*x.shape, *tail)
+                for p, x in zip(vector.split(self._sizes), self._xs)]
+
+    def _check_vector(self, v: Any) -> torch.Tensor:
+        n = self.shape[0]
+        if not isinstance(v, torch.Tensor) or v.dim() not in (1, 2) or v.shape[0] != n:
+            raise ValueError(message(f"{self._call} @ v", "v", f"a tensor of shape [{n}] or "
+                                     f"[{n}, k]", describe(v),
+                                     "flatten the vector(s) with op.flatten(...)"))
+        return v.to(self.dtype)
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``H v`` for a flat vector ``v`` of shape ``[n]``."""
+        v = self._check_vector(v)
+        vs = [p.view(x.shape) for p, x in zip(v.split(self._sizes), self._xs)]
+        return torch.cat([r.reshape(-1) for r in _second_grads(self._gs, self._xs, vs)])
+
+    def matmat(self, V: torch.Tensor) -> torch.Tensor:
+        """``H V`` for a matrix ``V`` of shape ``[n, k]`` (vectorized over columns)."""
+        V = self._check_vector(V)
+        k = V.shape[1]
+        step = k if self.chunk_size is None else self.chunk_size
+        cols = []
+        for start in range(0, k, step):
+            block = V[:, start:start + step].T  # [c, n]
+            vs = [p.reshape(-1, *x.shape) for p, x in zip(block.split(self._sizes, dim=1),
+                                                         self._xs)]
+            try:
+                res = _second_grads(self._gs, self._xs, vs, batched=True)
+                cols.append(torch.cat([r.reshape(len(block), -1) for r in res], dim=1).T)
+            except RuntimeError:  # an op without a batching rule: one vector at a time
+                cols.append(torch.stack([self.matvec(c) for c in block], dim=1))
+        return torch.cat(cols, dim=1)
+
+    def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
+        v = self._check_vector(v)
+        return self.matvec(v) if v.dim() == 1 else self.matmat(v)
+
+    def to_dense(self) -> torch.Tensor:
+        """The full Hessian ``[n, n]`` (n products; for small n)."""
+        return self.matmat(torch.eye(self.shape[0], dtype=self.dtype, device=self.device))
+
+    def to_scipy(self) -> Any:
+        """A ``scipy.sparse.linalg.LinearOperator`` (numpy in and out) for scipy's solvers."""
+        from scipy.sparse.linalg import LinearOperator
+
+        import numpy as np
+
+        def mv(v: np.ndarray) -> np.ndarray:
+            t = torch.as_tensor(np.asarray(v).reshape(-1), dtype=self.dtype, device=self.device)
+            return self.matvec(t).detach().cpu().numpy()
+
+        def mm(V: np.ndarray) -> np.ndarray:
+            t = torch.as_tensor(np.asarray(V), dtype=self.dtype, device=self.device)
+            return self.matmat(t).detach().cpu().numpy()
+
+        dtype = torch.empty((), dtype=self.dtype).numpy().dtype
+        return LinearOperator(self.shape, matvec=mv, rmatvec=mv, matmat=mm, dtype=dtype)
+
+
+def hvp_operator(f: Callable[..., torch.Tensor], args: Any, *,
+                 chunk_size: int | None = None) -> HVPOperator:
+    r"""The Hessian of ``f`` at ``args`` as a reusable operator (first gradient computed once).
+
+    Args:
+        f: function of tensors returning a scalar tensor.
+        args: a tensor or a tuple of tensors of one dtype (the point).
+        chunk_size: how many columns ``op @ V`` pushes through one vectorized backward.
+
+    Returns:
+        An :class:`HVPOperator` of shape ``(n, n)``, ``n`` the total number of elements.
+
+    Examples:
+        >>> import torch
+        >>> from gradkit.func import hvp_operator
+        >>> A = torch.tensor([[2.0, 1.0], [1.0, 4.0]])
+        >>> op = hvp_operator(lambda x: 0.5 * x @ A @ x, torch.ones(2))
+        >>> op @ torch.tensor([1.0, 0.0])
+        tensor([2., 1.])
+        >>> op @ torch.eye(2)
+        tensor([[2., 1.],
+                [1., 4.]])
+    """
+    call = f"hvp_operator({_name(f)})"
+    primals, _ = _as_tuple(args, call, "args")
+    with torch.enable_grad():
+        xs = [p.detach().requires_grad_(True) for p in primals]
+        value = f(*xs)
+        return HVPOperator(value, xs, chunk_size=chunk_size, call=call)

@@ -1,0 +1,240 @@
+"""The transforms on ``(model, loss_fn, batch)``, with results keyed like
+``model.named_parameters()``.
+
+Conventions shared by every helper:
+
+* ``batch = (inputs, targets)``; the loss is ``loss_fn(model(inputs), targets)``, with
+  ``model(*inputs)`` when ``inputs`` is a tuple;
+* the differentiated parameters are those with ``requires_grad=True`` (frozen ones are skipped),
+  or the names given in ``params``; buffers (BatchNorm statistics) are used, never changed by
+  the helpers themselves;
+* nothing is written to ``.grad`` or to the model.
+
+Gradients and Hessian-vector products run autograd on the model as it is (double backward is the
+fastest HVP in eager mode); Hessians and Jacobians go through ``torch.func.functional_call`` on a
+flat parameter vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradkit._errors import describe, message
+from gradkit.func._hvp import HVPOperator, _second_grads
+from gradkit.func._transforms import _check_scalar, hessian, jacobian
+
+__all__ = [
+    "module_grad",
+    "module_hessian",
+    "module_hvp",
+    "module_hvp_operator",
+    "module_jacobian",
+    "module_value_and_grad",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _select(model: nn.Module, params: Iterable[str] | None, call: str
+            ) -> dict[str, torch.Tensor]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(message(call, "model", "a torch.nn.Module", describe(model),
+                                "pass the model itself"))
+    named = dict(model.named_parameters())
+    if params is None:
+        chosen = {n: p for n, p in named.items() if p.requires_grad}
+    else:
+        names = [params] if isinstance(params, str) else list(params)
+        unknown = [n for n in names if n not in named]
+        if unknown:
+            raise ValueError(message(call, "params", "names from model.named_parameters()",
+                                     repr(unknown), f"choose among {sorted(named)[:8]}"))
+        chosen = {n: named[n] for n in names}
+    if not chosen:
+        raise ValueError(message(call, "params", "at least one parameter to differentiate",
+                                 "none (all frozen or none selected)",
+                                 "set requires_grad=True or name parameters in params="))
+    return chosen
+
+
+def _forward(model: nn.Module, inputs: Any) -> Any:
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+def _loss(model: nn.Module, loss_fn: LossFn, batch: Any, call: str) -> torch.Tensor:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(message(call, "batch", "a pair (inputs, targets)", describe(batch),
+                                "pass batch=(x, y); loss_fn(model(x), y) is differentiated"))
+    loss = loss_fn(_forward(model, batch[0]), batch[1])
+    _check_scalar(loss, call)
+    return loss
+
+
+def module_value_and_grad(model: nn.Module, loss_fn: LossFn, batch: Any, *,
+                          params: Iterable[str] | None = None
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and its gradient by parameter name, without touching ``.grad``.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.func import module_value_and_grad
+        >>> model = nn.Linear(2, 1, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.fill_(1.0)
+        >>> x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0]])
+        >>> loss, g = module_value_and_grad(model, nn.functional.mse_loss, (x, y))
+        >>> loss, g["weight"], model.weight.grad
+        (tensor(9.), tensor([[ 6., 12.]]), None)
+    """
+    call = f"module_value_and_grad({type(model).__name__})"
+    chosen = _select(model, params, call)
+    with torch.enable_grad():
+        loss = _loss(model, loss_fn, batch, call)
+        grads = torch.autograd.grad(loss, list(chosen.values()), allow_unused=True)
+    return loss.detach(), {n: torch.zeros_like(p) if g is None else g
+                           for (n, p), g in zip(chosen.items(), grads)}
+
+
+def module_grad(model: nn.Module, loss_fn: LossFn, batch: Any, *,
+                params: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The gradient of the loss by parameter name (see :func:`module_value_and_grad`)."""
+    return module_value_and_grad(model, loss_fn, batch, params=params)[1]
+
+
+def module_hvp_operator(model: nn.Module, loss_fn: LossFn, batch: Any, *,
+                        params: Iterable[str] | None = None,
+                        chunk_size: int | None = None) -> HVPOperator:
+    """The Hessian of the loss w.r.t. the parameters as an operator on flat vectors.
+
+    The flat order is that of ``model.named_parameters()``; ``op.unflatten(v)`` splits a vector.
+    Parameters the loss does not use have zero rows and columns (never a silently zero
+    Hessian of the wrong function).
+    """
+    call = f"module_hvp_operator({type(model).__name__})"
+    chosen = _select(model, params, call)
+    with torch.enable_grad():
+        loss = _loss(model, loss_fn, batch, call)
+        return HVPOperator(loss, list(chosen.values()), chunk_size=chunk_size, call=call)
+
+
+def module_hvp(model: nn.Module, loss_fn: LossFn, batch: Any, v: Mapping[str, torch.Tensor],
+               *, params: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """``H v`` for ``v`` keyed by parameter name (the keys of ``v`` pick the parameters).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.func import module_hvp
+        >>> model = nn.Linear(2, 1, bias=False)
+        >>> x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0]])
+        >>> module_hvp(model, nn.functional.mse_loss, (x, y), {"weight": torch.ones(1, 2)})
+        {'weight': tensor([[ 6., 12.]])}
+    """
+    call = f"module_hvp({type(model).__name__})"
+    if not isinstance(v, Mapping):
+        raise TypeError(message(call, "v", "a dict of tensors keyed by parameter name",
+                                describe(v), "pass e.g. {name: torch.randn_like(p)}"))
+    chosen = _select(model, list(v) if params is None else params, call)
+    for n, p in chosen.items():
+        if n not in v or v[n].shape != p.shape:
+            raise ValueError(message(call, f"v[{n!r}]", f"shape {tuple(p.shape)}",
+                                     describe(v.get(n)), "shape each vector like its "
+                                     "parameter"))
+    with torch.enable_grad():
+        loss = _loss(model, loss_fn, batch, call)
+        xs = list(chosen.values())
+        gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
+        res = _second_grads(gs, xs, [v[n].to(p.dtype) for n, p in chosen.items()])
+    return {n: r.detach() for n, r in zip(chosen, res)}
+
+
+def _flat_call(model: nn.Module, chosen: dict[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, Callable[..., Any]]:
+    """The chosen parameters as one flat vector, and ``model`` as a function of it."""
+    names = list(chosen)
+    shapes = [p.shape for p in chosen.values()]
+    sizes = [p.numel() for p in chosen.values()]
+
+    def call_with(flat: torch.Tensor, inputs: Any) -> Any:
+        pieces = {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes)}
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return torch.func.functional_call(model, pieces, args)
+
+    flat0 = torch.cat([p.detach().reshape(-1) for p in chosen.values()])
+    return flat0, call_with
+
+
+def _split_last(t: torch.Tensor, chosen: dict[str, torch.Tensor], dim: int
+                ) -> dict[str, torch.Tensor]:
+    sizes = [p.numel() for p in chosen.values()]
+    return {n: part for n, part in zip(chosen, t.split(sizes, dim=dim))}
+
+
+def module_hessian(model: nn.Module, loss_fn: LossFn, batch: Any, *,
+                   params: Iterable[str] | None = None, flat: bool = False,
+                   chunk_size: int | None = None) -> Any:
+    """The full Hessian of the loss w.r.t. the parameters.
+
+    Returns:
+        With ``flat=True`` a ``[P, P]`` tensor in ``named_parameters()`` order; otherwise nested
+        dicts ``H[name_i][name_j]`` of shape ``param_i.shape + param_j.shape`` (cross terms
+        included).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.func import module_hessian
+        >>> model = nn.Linear(2, 1, bias=False)
+        >>> x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0]])
+        >>> module_hessian(model, nn.functional.mse_loss, (x, y), flat=True)
+        tensor([[2., 4.],
+                [4., 8.]])
+    """
+    call = f"module_hessian({type(model).__name__})"
+    chosen = _select(model, params, call)
+    flat0, call_with = _flat_call(model, chosen)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        _loss(model, loss_fn, batch, call)  # raises the batch error
+
+    def loss_of(v: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(call_with(v, batch[0]), batch[1])
+        _check_scalar(loss, call)
+        return loss
+
+    h = hessian(loss_of, flat0, chunk_size=chunk_size)
+    if flat:
+        return h
+    return {ni: {nj: blk.reshape(*chosen[ni].shape, *chosen[nj].shape)
+                 for nj, blk in _split_last(row, chosen, 1).items()}
+            for ni, row in _split_last(h, chosen, 0).items()}
+
+
+def module_jacobian(model: nn.Module, inputs: Any, *, params: Iterable[str] | None = None,
+                    mode: str = "auto", chunk_size: int | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The Jacobian of the model's output w.r.t. its parameters, keyed by parameter name.
+
+    Returns:
+        ``{name: J}`` with ``J`` of shape ``output.shape + param.shape``.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.func import module_jacobian
+        >>> model = nn.Linear(2, 1)
+        >>> J = module_jacobian(model, torch.tensor([[1.0, 2.0]]))
+        >>> J["weight"].shape, J["bias"]
+        (torch.Size([1, 1, 1, 2]), tensor([[[1.]]]))
+    """
+    call = f"module_jacobian({type(model).__name__})"
+    chosen = _select(model, params, call)
+    flat0, call_with = _flat_call(model, chosen)
+    j = jacobian(lambda v: call_with(v, inputs), flat0, mode=mode, chunk_size=chunk_size)
+    o_shape = j.shape[:-1]
+    return {n: blk.reshape(*o_shape, *chosen[n].shape)
+            for n, blk in _split_last(j, chosen, -1).items()}

@@ -1,0 +1,25 @@
+"""gradkit.testing: the oracles gradkit is tested against, offered to users who write rules.
+
+* :func:`per_example_grads`: one example at a time with autograd (float64 by default);
+* :func:`finite_difference_grad`, :func:`finite_difference_jacobian`,
+  :func:`finite_difference_hvp`: central differences in float64;
+* :func:`tolerances` and :func:`assert_close`: one tolerance policy by dtype, every mismatch
+  reported.
+"""
+
+from gradkit.testing._oracles import (
+    finite_difference_grad,
+    finite_difference_hvp,
+    finite_difference_jacobian,
+    per_example_grads,
+)
+from gradkit.testing._tolerance import assert_close, tolerances
+
+__all__ = [
+    "assert_close",
+    "finite_difference_grad",
+    "finite_difference_hvp",
+    "finite_difference_jacobian",
+    "per_example_grads",
+    "tolerances",
+]
