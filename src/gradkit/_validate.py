@@ -25,39 +25,52 @@ def normalize_argnums(argnums: Any, nargs: int, call: str) -> tuple[int, ...]:
         >>> normalize_argnums((1, -2), 3, "grad(f)")
         Traceback (most recent call last):
         ...
-        ValueError: grad(f): argnums: expected distinct indices, got (1, -2); list each argument once
+        ValueError: grad(f): argnums: expected distinct indices, got (1, -2); ...
     """
     items: tuple[Any, ...]
     if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
         raise TypeError(
-            message(call, "argnums", "an int or a tuple of ints", repr(argnums),
-                    "pass e.g. argnums=0 or argnums=(0, 1)")
+            message(
+                call,
+                "argnums",
+                "an int or a tuple of ints",
+                repr(argnums),
+                "pass e.g. argnums=0 or argnums=(0, 1)",
+            )
         )
     items = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not items:
-        raise ValueError(message(call, "argnums", "at least one index", "()",
-                                 "pass e.g. argnums=0"))
+        raise ValueError(
+            message(call, "argnums", "at least one index", "()", "pass e.g. argnums=0")
+        )
     out = []
     for a in items:
         if isinstance(a, bool) or not isinstance(a, int):
-            raise TypeError(message(call, "argnums", "ints", repr(argnums),
-                                    "pass e.g. argnums=(0, 1)"))
+            raise TypeError(
+                message(call, "argnums", "ints", repr(argnums), "pass e.g. argnums=(0, 1)")
+            )
         if not -nargs <= a < nargs:
             raise ValueError(
-                message(call, "argnums",
-                        f"indices in [{-nargs}, {nargs}) (f was given {nargs} positional "
-                        "argument" + ("" if nargs == 1 else "s") + ")",
-                        repr(argnums), "pass the index of one of the positional arguments")
+                message(
+                    call,
+                    "argnums",
+                    f"indices in [{-nargs}, {nargs}) (f was given {nargs} positional "
+                    "argument" + ("" if nargs == 1 else "s") + ")",
+                    repr(argnums),
+                    "pass the index of one of the positional arguments",
+                )
             )
         out.append(a % nargs)
     if len(set(out)) != len(out):
-        raise ValueError(message(call, "argnums", "distinct indices", repr(argnums),
-                                 "list each argument once"))
+        raise ValueError(
+            message(call, "argnums", "distinct indices", repr(argnums), "list each argument once")
+        )
     return tuple(out)
 
 
-def as_tensor_list(value: Any, call: str, argument: str, *, allow_none: bool = False
-                   ) -> tuple[list[Any], bool]:
+def as_tensor_list(
+    value: Any, call: str, argument: str, *, allow_none: bool = False
+) -> tuple[list[Any], bool]:
     """Normalize a tensor or a sequence of tensors to a list.
 
     Returns ``(items, was_sequence)`` so results can mirror the caller's structure.
@@ -71,18 +84,31 @@ def as_tensor_list(value: Any, call: str, argument: str, *, allow_none: bool = F
                 continue
             if not isinstance(item, torch.Tensor):
                 raise TypeError(
-                    message(call, f"{argument}[{i}]", "a torch.Tensor", describe(item),
-                            f"pass tensors in {argument}")
+                    message(
+                        call,
+                        f"{argument}[{i}]",
+                        "a torch.Tensor",
+                        describe(item),
+                        f"pass tensors in {argument}",
+                    )
                 )
         return items, True
-    raise TypeError(message(call, argument, "a tensor or a list of tensors", describe(value),
-                            f"pass a torch.Tensor or a list of them as {argument}"))
+    raise TypeError(
+        message(
+            call,
+            argument,
+            "a tensor or a list of tensors",
+            describe(value),
+            f"pass a torch.Tensor or a list of them as {argument}",
+        )
+    )
 
 
 def check_choice(value: Any, choices: Sequence[str], call: str, argument: str) -> str:
     """Check that ``value`` is one of ``choices`` (strings) and return it."""
     if not isinstance(value, str) or value not in choices:
         options = ", ".join(repr(c) for c in choices)
-        raise ValueError(message(call, argument, f"one of {options}", repr(value),
-                                 f"pass one of {options}"))
+        raise ValueError(
+            message(call, argument, f"one of {options}", repr(value), f"pass one of {options}")
+        )
     return value

@@ -26,9 +26,10 @@ _local = threading.local()
 
 
 def _slots() -> list[list[Callable[..., Any]]]:
-    if not hasattr(_local, "slots"):
-        _local.slots = []
-    return _local.slots  # type: ignore[no-any-return]
+    slots: list[list[Callable[..., Any]]] | None = getattr(_local, "slots", None)
+    if slots is None:
+        slots = _local.slots = []
+    return slots
 
 
 def custom_gradient(f: Callable[..., tuple[Any, Callable[..., Any]]]) -> Callable[..., Any]:
@@ -81,10 +82,15 @@ def custom_gradient(f: Callable[..., tuple[Any, Callable[..., Any]]]) -> Callabl
         def forward(*args: Any) -> Any:
             out = f(*args)
             if not isinstance(out, tuple) or len(out) != 2 or not callable(out[1]):
-                raise TypeError(message(f"custom_gradient({name})", "return value",
-                                        "(y, grad_fn)", describe(out),
-                                        "return the output and a function of the output "
-                                        "gradients"))
+                raise TypeError(
+                    message(
+                        f"custom_gradient({name})",
+                        "return value",
+                        "(y, grad_fn)",
+                        describe(out),
+                        "return the output and a function of the output gradients",
+                    )
+                )
             _slots()[-1].append(out[1])
             return out[0]
 
@@ -100,10 +106,15 @@ def custom_gradient(f: Callable[..., tuple[Any, Callable[..., Any]]]) -> Callabl
                 grads = (grads,)
             n_tensors = sum(ctx.tensor_mask)
             if len(grads) != n_tensors:
-                raise ValueError(message(f"custom_gradient({name})", "grad_fn(*dys)",
-                                         f"{n_tensors} gradient(s), one per tensor argument",
-                                         f"{len(grads)}", "return one gradient per tensor "
-                                         "argument (None for none)"))
+                raise ValueError(
+                    message(
+                        f"custom_gradient({name})",
+                        "grad_fn(*dys)",
+                        f"{n_tensors} gradient(s), one per tensor argument",
+                        f"{len(grads)}",
+                        "return one gradient per tensor argument (None for none)",
+                    )
+                )
             it = iter(grads)
             return tuple(next(it) if is_t else None for is_t in ctx.tensor_mask)
 

@@ -50,8 +50,12 @@ class AggregationMethod:
     EXPERIMENTAL_ACCUMULATE_N = 2
 
 
-_AGGREGATION_NAMES = {"add_n": 0, "default": 0, "experimental_tree": 1,
-                      "experimental_accumulate_n": 2}
+_AGGREGATION_NAMES = {
+    "add_n": 0,
+    "default": 0,
+    "experimental_tree": 1,
+    "experimental_accumulate_n": 2,
+}
 _Edge = tuple[Node, int]
 
 
@@ -62,11 +66,16 @@ def _check_aggregation(method: Any, call: str) -> None:
         (isinstance(method, int) and method in (0, 1, 2))
         or (isinstance(method, str) and method.lower() in _AGGREGATION_NAMES)
     ):
-        raise ValueError(message(
-            call, "aggregation_method",
-            "None, an AggregationMethod constant (ADD_N, DEFAULT, EXPERIMENTAL_TREE, "
-            "EXPERIMENTAL_ACCUMULATE_N) or its name", repr(method),
-            "pass e.g. gradkit.func.AggregationMethod.ADD_N (all give the same values)"))
+        raise ValueError(
+            message(
+                call,
+                "aggregation_method",
+                "None, an AggregationMethod constant (ADD_N, DEFAULT, EXPERIMENTAL_TREE, "
+                "EXPERIMENTAL_ACCUMULATE_N) or its name",
+                repr(method),
+                "pass e.g. gradkit.func.AggregationMethod.ADD_N (all give the same values)",
+            )
+        )
 
 
 def _edge(t: torch.Tensor) -> _Edge | None:
@@ -103,8 +112,9 @@ def _reached_edges(roots: Sequence[torch.Tensor], stops: set[Node]) -> set[_Edge
     return reached
 
 
-def _zero_pre_hook(grad_outputs: tuple[torch.Tensor | None, ...]
-                   ) -> tuple[torch.Tensor | None, ...]:
+def _zero_pre_hook(
+    grad_outputs: tuple[torch.Tensor | None, ...],
+) -> tuple[torch.Tensor | None, ...]:
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_outputs)
 
 
@@ -114,20 +124,39 @@ def _default_grad_ys(ys: list[torch.Tensor], grad_ys: Any, call: str) -> list[to
     else:
         given, _ = as_tensor_list(grad_ys, call, "grad_ys", allow_none=True)
         if len(given) != len(ys):
-            raise ValueError(message(call, "grad_ys", f"one entry per y ({len(ys)})",
-                                     f"{len(given)} entries",
-                                     "pass one grad_y per y (None entries mean ones)"))
+            raise ValueError(
+                message(
+                    call,
+                    "grad_ys",
+                    f"one entry per y ({len(ys)})",
+                    f"{len(given)} entries",
+                    "pass one grad_y per y (None entries mean ones)",
+                )
+            )
     out = []
-    for i, (y, g) in enumerate(zip(ys, given)):
+    for i, (y, g) in enumerate(zip(ys, given, strict=True)):
         if g is None:
             if y.is_complex():
-                raise TypeError(message(
-                    call, f"grad_ys[{i}]", "a tensor for a complex y", "None",
-                    "gradients of complex tensors must set grad_ys (there is no default)"))
+                raise TypeError(
+                    message(
+                        call,
+                        f"grad_ys[{i}]",
+                        "a tensor for a complex y",
+                        "None",
+                        "gradients of complex tensors must set grad_ys (there is no default)",
+                    )
+                )
             g = torch.ones_like(y)
         elif g.shape != y.shape:
-            raise ValueError(message(call, f"grad_ys[{i}]", f"shape {tuple(y.shape)} (that of "
-                                     f"ys[{i}])", describe(g), "pass a grad_y shaped like its y"))
+            raise ValueError(
+                message(
+                    call,
+                    f"grad_ys[{i}]",
+                    f"shape {tuple(y.shape)} (that of ys[{i}])",
+                    describe(g),
+                    "pass a grad_y shaped like its y",
+                )
+            )
         out.append(g)
     return out
 
@@ -199,8 +228,11 @@ def gradients(
         stop_list, _ = as_tensor_list(stop_gradients, call, "stop_gradients")
 
     # Integer-valued ys and ys outside the graph contribute nothing (TF: integers are constant).
-    pairs = [(y, g) for y, g in zip(y_list, g_list)
-             if y.requires_grad and (y.is_floating_point() or y.is_complex())]
+    pairs = [
+        (y, g)
+        for y, g in zip(y_list, g_list, strict=True)
+        if y.requires_grad and (y.is_floating_point() or y.is_complex())
+    ]
     stop_nodes = {s.grad_fn for s in stop_list if s.grad_fn is not None}
     reached = _reached_edges([y for y, _ in pairs], stop_nodes)
     x_edges = [_edge(x) if (x.is_floating_point() or x.is_complex()) else None for x in x_list]
@@ -211,35 +243,53 @@ def gradients(
         handles = [n.register_prehook(_zero_pre_hook) for n in stop_nodes]
         try:
             grads = torch.autograd.grad(
-                [y for y, _ in pairs], [x_list[i] for i in wanted],
-                grad_outputs=[g for _, g in pairs], retain_graph=retain_graph or create_graph,
-                create_graph=create_graph, allow_unused=True)
+                [y for y, _ in pairs],
+                [x_list[i] for i in wanted],
+                grad_outputs=[g for _, g in pairs],
+                retain_graph=retain_graph or create_graph,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
         finally:
             for h in handles:
                 h.remove()
-        for i, g in zip(wanted, grads):
+        for i, g in zip(wanted, grads, strict=True):
             results[i] = g.coalesce() if g is not None and g.is_sparse else g
     if unconnected_gradients == "zero":
-        results = [torch.zeros_like(x) if r is None else r for x, r in zip(x_list, results)]
+        results = [
+            torch.zeros_like(x) if r is None else r for x, r in zip(x_list, results, strict=True)
+        ]
     return results
 
 
-def _flat_hessian_rows(g: torch.Tensor, x: torch.Tensor, chunk_size: int | None,
-                       create_graph: bool) -> torch.Tensor:
+def _flat_hessian_rows(
+    g: torch.Tensor, x: torch.Tensor, chunk_size: int | None, create_graph: bool
+) -> torch.Tensor:
     """Rows ``d g[k] / d x`` for every element k of ``g`` (a gradient of x), as [n, *x.shape]."""
     n = g.numel()
     eye = torch.eye(n, dtype=g.dtype, device=g.device).view(n, *g.shape)
     step = n if chunk_size is None else max(1, chunk_size)
     rows = []
     for start in range(0, n, step):
-        basis = eye[start:start + step]
+        basis = eye[start : start + step]
         try:
-            (r,) = torch.autograd.grad(g, x, basis, retain_graph=True, create_graph=create_graph,
-                                       allow_unused=True, is_grads_batched=True)
+            (r,) = torch.autograd.grad(
+                g,
+                x,
+                basis,
+                retain_graph=True,
+                create_graph=create_graph,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
         except RuntimeError:  # an op without a batching rule: loop, like TF without pfor
-            parts = [torch.autograd.grad(g, x, b, retain_graph=True, create_graph=create_graph,
-                                         allow_unused=True)[0] for b in basis]
-            r = None if parts[0] is None else torch.stack(parts)  # type: ignore[arg-type]
+            parts = [
+                torch.autograd.grad(
+                    g, x, b, retain_graph=True, create_graph=create_graph, allow_unused=True
+                )[0]
+                for b in basis
+            ]
+            r = None if parts[0] is None else torch.stack(parts)
         rows.append(torch.zeros_like(basis) if r is None else r)
     return torch.cat(rows)
 
@@ -290,10 +340,13 @@ def hessians(
     x_list, _ = as_tensor_list(xs, call, "xs")
     firsts = gradients(ys, x_list, create_graph=True)
     out: list[torch.Tensor | None] = []
-    for x, g in zip(x_list, firsts):
+    for x, g in zip(x_list, firsts, strict=True):
         if g is None:
-            out.append(torch.zeros(*x.shape, *x.shape, dtype=x.dtype, device=x.device)
-                       if unconnected_gradients == "zero" else None)
+            out.append(
+                torch.zeros(*x.shape, *x.shape, dtype=x.dtype, device=x.device)
+                if unconnected_gradients == "zero"
+                else None
+            )
         elif not g.requires_grad:  # second derivative identically zero
             out.append(torch.zeros(*x.shape, *x.shape, dtype=x.dtype, device=x.device))
         else:

@@ -32,9 +32,14 @@ def _is_transformed(t: torch.Tensor) -> bool:
     return bool(check(t)) if check is not None else False
 
 
-def _second_grads(gs: Sequence[torch.Tensor | None], xs: Sequence[torch.Tensor],
-                  vs: Sequence[torch.Tensor], *, batched: bool = False,
-                  create_graph: bool = False) -> list[torch.Tensor]:
+def _second_grads(
+    gs: Sequence[torch.Tensor | None],
+    xs: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    *,
+    batched: bool = False,
+    create_graph: bool = False,
+) -> list[torch.Tensor]:
     """``d/dx sum_k <g_k, v_k>`` by one backward through the first-gradient graph ``gs``.
 
     With ``batched=True`` each ``v_k`` carries a leading dimension of vectors (vectorized
@@ -44,15 +49,22 @@ def _second_grads(gs: Sequence[torch.Tensor | None], xs: Sequence[torch.Tensor],
     lead = (vs[0].shape[0],) if batched else ()
     if not live:
         return [x.new_zeros(*lead, *x.shape) for x in xs]
-    res = torch.autograd.grad([gs[k] for k in live], list(xs),  # type: ignore[misc]
-                              grad_outputs=[vs[k] for k in live], retain_graph=True,
-                              create_graph=create_graph, allow_unused=True,
-                              is_grads_batched=batched)
-    return [x.new_zeros(*lead, *x.shape) if r is None else r for r, x in zip(res, xs)]
+    outputs: list[torch.Tensor] = [g for g in gs if g is not None and g.requires_grad]
+    res = torch.autograd.grad(
+        outputs,
+        list(xs),
+        grad_outputs=[vs[k] for k in live],
+        retain_graph=True,
+        create_graph=create_graph,
+        allow_unused=True,
+        is_grads_batched=batched,
+    )
+    return [x.new_zeros(*lead, *x.shape) if r is None else r for r, x in zip(res, xs, strict=True)]
 
 
-def hvp(f: Callable[..., torch.Tensor], args: Any, v: Any, *, method: str = "auto"
-        ) -> tuple[torch.Tensor, Any]:
+def hvp(
+    f: Callable[..., torch.Tensor], args: Any, v: Any, *, method: str = "auto"
+) -> tuple[torch.Tensor, Any]:
     r"""Hessian-vector product of a scalar function: ``(f(*args), H v)``.
 
     .. math:: \text{out}_k = \sum_j \frac{\partial^2 f}{\partial \text{args}_k
@@ -85,12 +97,16 @@ def hvp(f: Callable[..., torch.Tensor], args: Any, v: Any, *, method: str = "aut
     vs, _ = _as_tuple(v, call, "v")
     _check_like(vs, primals, call, "v", "argument")
     if method == "forward_over_reverse" or (
-            method == "auto" and any(_is_transformed(p) for p in (*primals, *vs))):
+        method == "auto" and any(_is_transformed(p) for p in (*primals, *vs))
+    ):
+
         def grad_f(*p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.func.grad(f, argnums=tuple(range(len(p))))(*p)  # type: ignore[no-any-return]
+            grads: tuple[torch.Tensor, ...] = torch.func.grad(f, argnums=tuple(range(len(p))))(*p)
+            return grads
+
         value = f(*primals)
         _check_scalar(value, call)
-        _, hv = torch.func.jvp(grad_f, primals, vs)
+        hv = torch.func.jvp(grad_f, primals, vs)[1]
         res = list(hv)
     else:
         with torch.enable_grad():
@@ -117,14 +133,26 @@ class HVPOperator:
         gradient: the flat gradient at the point (detached), ``[n]``.
     """
 
-    def __init__(self, value: torch.Tensor, xs: Sequence[torch.Tensor], *,
-                 chunk_size: int | None = None, call: str = "hvp_operator") -> None:
+    def __init__(
+        self,
+        value: torch.Tensor,
+        xs: Sequence[torch.Tensor],
+        *,
+        chunk_size: int | None = None,
+        call: str = "hvp_operator",
+    ) -> None:
         _check_scalar(value, call)
         dtypes = {x.dtype for x in xs}
         if len(dtypes) != 1:
-            raise TypeError(message(call, "args", "tensors of one dtype",
-                                    ", ".join(str(d) for d in dtypes),
-                                    "convert the arguments to one dtype"))
+            raise TypeError(
+                message(
+                    call,
+                    "args",
+                    "tensors of one dtype",
+                    ", ".join(str(d) for d in dtypes),
+                    "convert the arguments to one dtype",
+                )
+            )
         self._xs = list(xs)
         self._gs = torch.autograd.grad(value, self._xs, create_graph=True, allow_unused=True)
         self._sizes = [x.numel() for x in self._xs]
@@ -134,9 +162,12 @@ class HVPOperator:
         self.device = self._xs[0].device
         self.chunk_size = chunk_size
         self.value = value.detach()
-        self.gradient = torch.cat([
-            (torch.zeros_like(x) if g is None else g.detach()).reshape(-1)
-            for g, x in zip(self._gs, self._xs)])
+        self.gradient = torch.cat(
+            [
+                (torch.zeros_like(x) if g is None else g.detach()).reshape(-1)
+                for g, x in zip(self._gs, self._xs, strict=True)
+            ]
+        )
         self._call = call
 
     def __repr__(self) -> str:
@@ -150,21 +181,29 @@ class HVPOperator:
     def unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
         """Split a vector ``[n]`` (or ``[n, k]``) into pieces shaped like the arguments."""
         tail = vector.shape[1:]
-        return [p.reshape(*x.shape, *tail)
-                for p, x in zip(vector.split(self._sizes), self._xs)]
+        return [
+            p.reshape(*x.shape, *tail)
+            for p, x in zip(vector.split(self._sizes), self._xs, strict=True)
+        ]
 
     def _check_vector(self, v: Any) -> torch.Tensor:
         n = self.shape[0]
         if not isinstance(v, torch.Tensor) or v.dim() not in (1, 2) or v.shape[0] != n:
-            raise ValueError(message(f"{self._call} @ v", "v", f"a tensor of shape [{n}] or "
-                                     f"[{n}, k]", describe(v),
-                                     "flatten the vector(s) with op.flatten(...)"))
+            raise ValueError(
+                message(
+                    f"{self._call} @ v",
+                    "v",
+                    f"a tensor of shape [{n}] or [{n}, k]",
+                    describe(v),
+                    "flatten the vector(s) with op.flatten(...)",
+                )
+            )
         return v.to(self.dtype)
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``H v`` for a flat vector ``v`` of shape ``[n]``."""
         v = self._check_vector(v)
-        vs = [p.view(x.shape) for p, x in zip(v.split(self._sizes), self._xs)]
+        vs = [p.view(x.shape) for p, x in zip(v.split(self._sizes), self._xs, strict=True)]
         return torch.cat([r.reshape(-1) for r in _second_grads(self._gs, self._xs, vs)])
 
     def matmat(self, V: torch.Tensor) -> torch.Tensor:
@@ -174,9 +213,11 @@ class HVPOperator:
         step = k if self.chunk_size is None else self.chunk_size
         cols = []
         for start in range(0, k, step):
-            block = V[:, start:start + step].T  # [c, n]
-            vs = [p.reshape(-1, *x.shape) for p, x in zip(block.split(self._sizes, dim=1),
-                                                         self._xs)]
+            block = V[:, start : start + step].T  # [c, n]
+            vs = [
+                p.reshape(-1, *x.shape)
+                for p, x in zip(block.split(self._sizes, dim=1), self._xs, strict=True)
+            ]
             try:
                 res = _second_grads(self._gs, self._xs, vs, batched=True)
                 cols.append(torch.cat([r.reshape(len(block), -1) for r in res], dim=1).T)
@@ -194,9 +235,8 @@ class HVPOperator:
 
     def to_scipy(self) -> Any:
         """A ``scipy.sparse.linalg.LinearOperator`` (numpy in and out) for scipy's solvers."""
-        from scipy.sparse.linalg import LinearOperator
-
         import numpy as np
+        from scipy.sparse.linalg import LinearOperator
 
         def mv(v: np.ndarray) -> np.ndarray:
             t = torch.as_tensor(np.asarray(v).reshape(-1), dtype=self.dtype, device=self.device)
@@ -210,8 +250,9 @@ class HVPOperator:
         return LinearOperator(self.shape, matvec=mv, rmatvec=mv, matmat=mm, dtype=dtype)
 
 
-def hvp_operator(f: Callable[..., torch.Tensor], args: Any, *,
-                 chunk_size: int | None = None) -> HVPOperator:
+def hvp_operator(
+    f: Callable[..., torch.Tensor], args: Any, *, chunk_size: int | None = None
+) -> HVPOperator:
     r"""The Hessian of ``f`` at ``args`` as a reusable operator (first gradient computed once).
 
     Args:

@@ -39,25 +39,38 @@ __all__ = [
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def _select(model: nn.Module, params: Iterable[str] | None, call: str
-            ) -> dict[str, torch.Tensor]:
+def _select(model: nn.Module, params: Iterable[str] | None, call: str) -> dict[str, torch.Tensor]:
     if not isinstance(model, nn.Module):
-        raise TypeError(message(call, "model", "a torch.nn.Module", describe(model),
-                                "pass the model itself"))
-    named = dict(model.named_parameters())
+        raise TypeError(
+            message(call, "model", "a torch.nn.Module", describe(model), "pass the model itself")
+        )
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
     if params is None:
         chosen = {n: p for n, p in named.items() if p.requires_grad}
     else:
         names = [params] if isinstance(params, str) else list(params)
         unknown = [n for n in names if n not in named]
         if unknown:
-            raise ValueError(message(call, "params", "names from model.named_parameters()",
-                                     repr(unknown), f"choose among {sorted(named)[:8]}"))
+            raise ValueError(
+                message(
+                    call,
+                    "params",
+                    "names from model.named_parameters()",
+                    repr(unknown),
+                    f"choose among {sorted(named)[:8]}",
+                )
+            )
         chosen = {n: named[n] for n in names}
     if not chosen:
-        raise ValueError(message(call, "params", "at least one parameter to differentiate",
-                                 "none (all frozen or none selected)",
-                                 "set requires_grad=True or name parameters in params="))
+        raise ValueError(
+            message(
+                call,
+                "params",
+                "at least one parameter to differentiate",
+                "none (all frozen or none selected)",
+                "set requires_grad=True or name parameters in params=",
+            )
+        )
     return chosen
 
 
@@ -67,16 +80,23 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
 
 def _loss(model: nn.Module, loss_fn: LossFn, batch: Any, call: str) -> torch.Tensor:
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise TypeError(message(call, "batch", "a pair (inputs, targets)", describe(batch),
-                                "pass batch=(x, y); loss_fn(model(x), y) is differentiated"))
+        raise TypeError(
+            message(
+                call,
+                "batch",
+                "a pair (inputs, targets)",
+                describe(batch),
+                "pass batch=(x, y); loss_fn(model(x), y) is differentiated",
+            )
+        )
     loss = loss_fn(_forward(model, batch[0]), batch[1])
     _check_scalar(loss, call)
     return loss
 
 
-def module_value_and_grad(model: nn.Module, loss_fn: LossFn, batch: Any, *,
-                          params: Iterable[str] | None = None
-                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def module_value_and_grad(
+    model: nn.Module, loss_fn: LossFn, batch: Any, *, params: Iterable[str] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and its gradient by parameter name, without touching ``.grad``.
 
     Examples:
@@ -96,19 +116,27 @@ def module_value_and_grad(model: nn.Module, loss_fn: LossFn, batch: Any, *,
     with torch.enable_grad():
         loss = _loss(model, loss_fn, batch, call)
         grads = torch.autograd.grad(loss, list(chosen.values()), allow_unused=True)
-    return loss.detach(), {n: torch.zeros_like(p) if g is None else g
-                           for (n, p), g in zip(chosen.items(), grads)}
+    return loss.detach(), {
+        n: torch.zeros_like(p) if g is None else g
+        for (n, p), g in zip(chosen.items(), grads, strict=True)
+    }
 
 
-def module_grad(model: nn.Module, loss_fn: LossFn, batch: Any, *,
-                params: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def module_grad(
+    model: nn.Module, loss_fn: LossFn, batch: Any, *, params: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """The gradient of the loss by parameter name (see :func:`module_value_and_grad`)."""
     return module_value_and_grad(model, loss_fn, batch, params=params)[1]
 
 
-def module_hvp_operator(model: nn.Module, loss_fn: LossFn, batch: Any, *,
-                        params: Iterable[str] | None = None,
-                        chunk_size: int | None = None) -> HVPOperator:
+def module_hvp_operator(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    params: Iterable[str] | None = None,
+    chunk_size: int | None = None,
+) -> HVPOperator:
     """The Hessian of the loss w.r.t. the parameters as an operator on flat vectors.
 
     The flat order is that of ``model.named_parameters()``; ``op.unflatten(v)`` splits a vector.
@@ -122,8 +150,14 @@ def module_hvp_operator(model: nn.Module, loss_fn: LossFn, batch: Any, *,
         return HVPOperator(loss, list(chosen.values()), chunk_size=chunk_size, call=call)
 
 
-def module_hvp(model: nn.Module, loss_fn: LossFn, batch: Any, v: Mapping[str, torch.Tensor],
-               *, params: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def module_hvp(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    v: Mapping[str, torch.Tensor],
+    *,
+    params: Iterable[str] | None = None,
+) -> dict[str, torch.Tensor]:
     """``H v`` for ``v`` keyed by parameter name (the keys of ``v`` pick the parameters).
 
     Examples:
@@ -137,31 +171,45 @@ def module_hvp(model: nn.Module, loss_fn: LossFn, batch: Any, v: Mapping[str, to
     """
     call = f"module_hvp({type(model).__name__})"
     if not isinstance(v, Mapping):
-        raise TypeError(message(call, "v", "a dict of tensors keyed by parameter name",
-                                describe(v), "pass e.g. {name: torch.randn_like(p)}"))
+        raise TypeError(
+            message(
+                call,
+                "v",
+                "a dict of tensors keyed by parameter name",
+                describe(v),
+                "pass e.g. {name: torch.randn_like(p)}",
+            )
+        )
     chosen = _select(model, list(v) if params is None else params, call)
     for n, p in chosen.items():
         if n not in v or v[n].shape != p.shape:
-            raise ValueError(message(call, f"v[{n!r}]", f"shape {tuple(p.shape)}",
-                                     describe(v.get(n)), "shape each vector like its "
-                                     "parameter"))
+            raise ValueError(
+                message(
+                    call,
+                    f"v[{n!r}]",
+                    f"shape {tuple(p.shape)}",
+                    describe(v.get(n)),
+                    "shape each vector like its parameter",
+                )
+            )
     with torch.enable_grad():
         loss = _loss(model, loss_fn, batch, call)
         xs = list(chosen.values())
         gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
         res = _second_grads(gs, xs, [v[n].to(p.dtype) for n, p in chosen.items()])
-    return {n: r.detach() for n, r in zip(chosen, res)}
+    return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
 
 
-def _flat_call(model: nn.Module, chosen: dict[str, torch.Tensor]
-               ) -> tuple[torch.Tensor, Callable[..., Any]]:
+def _flat_call(
+    model: nn.Module, chosen: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, Callable[..., Any]]:
     """The chosen parameters as one flat vector, and ``model`` as a function of it."""
     names = list(chosen)
     shapes = [p.shape for p in chosen.values()]
     sizes = [p.numel() for p in chosen.values()]
 
     def call_with(flat: torch.Tensor, inputs: Any) -> Any:
-        pieces = {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes)}
+        pieces = {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes, strict=True)}
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         return torch.func.functional_call(model, pieces, args)
 
@@ -169,15 +217,22 @@ def _flat_call(model: nn.Module, chosen: dict[str, torch.Tensor]
     return flat0, call_with
 
 
-def _split_last(t: torch.Tensor, chosen: dict[str, torch.Tensor], dim: int
-                ) -> dict[str, torch.Tensor]:
+def _split_last(
+    t: torch.Tensor, chosen: dict[str, torch.Tensor], dim: int
+) -> dict[str, torch.Tensor]:
     sizes = [p.numel() for p in chosen.values()]
-    return {n: part for n, part in zip(chosen, t.split(sizes, dim=dim))}
+    return {n: part for n, part in zip(chosen, t.split(sizes, dim=dim), strict=True)}
 
 
-def module_hessian(model: nn.Module, loss_fn: LossFn, batch: Any, *,
-                   params: Iterable[str] | None = None, flat: bool = False,
-                   chunk_size: int | None = None) -> Any:
+def module_hessian(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    params: Iterable[str] | None = None,
+    flat: bool = False,
+    chunk_size: int | None = None,
+) -> Any:
     """The full Hessian of the loss w.r.t. the parameters.
 
     Returns:
@@ -209,14 +264,23 @@ def module_hessian(model: nn.Module, loss_fn: LossFn, batch: Any, *,
     h = hessian(loss_of, flat0, chunk_size=chunk_size)
     if flat:
         return h
-    return {ni: {nj: blk.reshape(*chosen[ni].shape, *chosen[nj].shape)
-                 for nj, blk in _split_last(row, chosen, 1).items()}
-            for ni, row in _split_last(h, chosen, 0).items()}
+    return {
+        ni: {
+            nj: blk.reshape(*chosen[ni].shape, *chosen[nj].shape)
+            for nj, blk in _split_last(row, chosen, 1).items()
+        }
+        for ni, row in _split_last(h, chosen, 0).items()
+    }
 
 
-def module_jacobian(model: nn.Module, inputs: Any, *, params: Iterable[str] | None = None,
-                    mode: str = "auto", chunk_size: int | None = None
-                    ) -> dict[str, torch.Tensor]:
+def module_jacobian(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    params: Iterable[str] | None = None,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+) -> dict[str, torch.Tensor]:
     """The Jacobian of the model's output w.r.t. its parameters, keyed by parameter name.
 
     Returns:
@@ -236,5 +300,6 @@ def module_jacobian(model: nn.Module, inputs: Any, *, params: Iterable[str] | No
     flat0, call_with = _flat_call(model, chosen)
     j = jacobian(lambda v: call_with(v, inputs), flat0, mode=mode, chunk_size=chunk_size)
     o_shape = j.shape[:-1]
-    return {n: blk.reshape(*o_shape, *chosen[n].shape)
-            for n, blk in _split_last(j, chosen, -1).items()}
+    return {
+        n: blk.reshape(*o_shape, *chosen[n].shape) for n, blk in _split_last(j, chosen, -1).items()
+    }

@@ -14,6 +14,7 @@ that makes forward mode 333x slower than it should be).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 _MODES = ("auto", "forward", "reverse")
+logger = logging.getLogger(__name__)
 
 
 def _name(f: Callable[..., Any]) -> str:
@@ -45,46 +47,83 @@ def _check_differentiable(args: Sequence[Any], nums: Sequence[int], call: str) -
     for i in nums:
         a = args[i]
         if not isinstance(a, torch.Tensor) or not (a.is_floating_point() or a.is_complex()):
-            raise TypeError(message(call, f"argument {i}", "a floating-point tensor "
-                                    "(it is in argnums)", describe(a),
-                                    "convert it with .double()/.float() or leave it out of "
-                                    "argnums"))
+            raise TypeError(
+                message(
+                    call,
+                    f"argument {i}",
+                    "a floating-point tensor (it is in argnums)",
+                    describe(a),
+                    "convert it with .double()/.float() or leave it out of argnums",
+                )
+            )
 
 
-def _substitute(f: Callable[..., Any], args: Sequence[Any], nums: Sequence[int]
-                ) -> Callable[..., Any]:
+def _substitute(
+    f: Callable[..., Any], args: Sequence[Any], nums: Sequence[int]
+) -> Callable[..., Any]:
     """``f`` as a function of the arguments at ``nums`` only (the others held fixed)."""
+
     def g(*diff: torch.Tensor) -> Any:
         full = list(args)
-        for i, d in zip(nums, diff):
+        for i, d in zip(nums, diff, strict=True):
             full[i] = d
         return f(*full)
+
     return g
 
 
+def _vjp(f: Callable[..., Any], *primals: torch.Tensor) -> tuple[Any, Callable[..., Any]]:
+    """``torch.func.vjp`` without auxiliary output: ``(f(*primals), vjp_fn)``."""
+    res = torch.func.vjp(f, *primals)
+    return res[0], res[1]
+
+
 def _check_chunk(chunk_size: Any, call: str) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool)
-                                   or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(message(call, "chunk_size", "None or a positive int",
-                                 repr(chunk_size), "pass e.g. chunk_size=64"))
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(
+            message(
+                call,
+                "chunk_size",
+                "None or a positive int",
+                repr(chunk_size),
+                "pass e.g. chunk_size=64",
+            )
+        )
 
 
 def _check_tensor_output(out: Any, call: str) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
-        raise TypeError(message(call, "f", "a function returning one tensor", describe(out),
-                                "return a single tensor (stack or concatenate several)"))
+        raise TypeError(
+            message(
+                call,
+                "f",
+                "a function returning one tensor",
+                describe(out),
+                "return a single tensor (stack or concatenate several)",
+            )
+        )
     return out
 
 
 def _check_scalar(out: Any, call: str) -> None:
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
-        raise ValueError(message(call, "f", "a function returning a scalar tensor",
-                                 describe(out), "reduce the output (e.g. .sum() or .mean()), "
-                                 "or use jacobian/vjp for non-scalar outputs"))
+        raise ValueError(
+            message(
+                call,
+                "f",
+                "a function returning a scalar tensor",
+                describe(out),
+                "reduce the output (e.g. .sum() or .mean()), "
+                "or use jacobian/vjp for non-scalar outputs",
+            )
+        )
 
 
-def grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
-         has_aux: bool = False) -> Callable[..., Any]:
+def grad(
+    f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False
+) -> Callable[..., Any]:
     """The gradient of a scalar function, as a function (``torch.func.grad`` with checks).
 
     Args:
@@ -106,8 +145,9 @@ def grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
     return _grad_transform(f, argnums, has_aux, with_value=False)
 
 
-def value_and_grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
-                   has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False
+) -> Callable[..., Any]:
     """Like :func:`grad` but returns ``(value, gradient)`` (``((value, aux), gradient)``
     with has_aux), computing both in one pass.
 
@@ -121,12 +161,16 @@ def value_and_grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
     return _grad_transform(f, argnums, has_aux, with_value=True)
 
 
-def _grad_transform(f: Callable[..., Any], argnums: Any, has_aux: bool, with_value: bool
-                    ) -> Callable[..., Any]:
+def _grad_transform(
+    f: Callable[..., Any], argnums: Any, has_aux: bool, with_value: bool
+) -> Callable[..., Any]:
     kind = "value_and_grad" if with_value else "grad"
     if not callable(f):
-        raise TypeError(message(f"{kind}(f)", "f", "a callable", describe(f),
-                                "pass the function to differentiate"))
+        raise TypeError(
+            message(
+                f"{kind}(f)", "f", "a callable", describe(f), "pass the function to differentiate"
+            )
+        )
 
     @functools.wraps(f)
     def transformed(*args: Any, **kwargs: Any) -> Any:
@@ -138,8 +182,15 @@ def _grad_transform(f: Callable[..., Any], argnums: Any, has_aux: bool, with_val
             out = f(*a, **k)
             if has_aux:
                 if not isinstance(out, tuple) or len(out) != 2:
-                    raise TypeError(message(call, "has_aux", "f to return (value, aux)",
-                                            describe(out), "return a pair, or drop has_aux"))
+                    raise TypeError(
+                        message(
+                            call,
+                            "has_aux",
+                            "f to return (value, aux)",
+                            describe(out),
+                            "return a pair, or drop has_aux",
+                        )
+                    )
                 _check_scalar(out[0], call)
             else:
                 _check_scalar(out, call)
@@ -160,19 +211,45 @@ def _as_tuple(value: Any, call: str, argument: str) -> tuple[tuple[torch.Tensor,
         return (value,), False
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value), True
-    raise TypeError(message(call, argument, "a tensor or a tuple of tensors", describe(value),
-                            f"pass {argument} as a tensor or a tuple of tensors"))
+    raise TypeError(
+        message(
+            call,
+            argument,
+            "a tensor or a tuple of tensors",
+            describe(value),
+            f"pass {argument} as a tensor or a tuple of tensors",
+        )
+    )
 
 
-def _check_like(vs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor], call: str,
-                argument: str, ref_name: str) -> None:
+def _check_like(
+    vs: Sequence[torch.Tensor],
+    refs: Sequence[torch.Tensor],
+    call: str,
+    argument: str,
+    ref_name: str,
+) -> None:
     if len(vs) != len(refs):
-        raise ValueError(message(call, argument, f"{len(refs)} tensors (one per {ref_name})",
-                                 f"{len(vs)}", f"pass one tensor per {ref_name}"))
-    for i, (v, r) in enumerate(zip(vs, refs)):
+        raise ValueError(
+            message(
+                call,
+                argument,
+                f"{len(refs)} tensors (one per {ref_name})",
+                f"{len(vs)}",
+                f"pass one tensor per {ref_name}",
+            )
+        )
+    for i, (v, r) in enumerate(zip(vs, refs, strict=True)):
         if v.shape != r.shape:
-            raise ValueError(message(call, f"{argument}[{i}]", f"shape {tuple(r.shape)}",
-                                     describe(v), f"shape it like {ref_name} {i}"))
+            raise ValueError(
+                message(
+                    call,
+                    f"{argument}[{i}]",
+                    f"shape {tuple(r.shape)}",
+                    describe(v),
+                    f"shape it like {ref_name} {i}",
+                )
+            )
 
 
 def jvp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
@@ -198,7 +275,8 @@ def jvp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
     primals, _ = _as_tuple(args, call, "args")
     tangents, _ = _as_tuple(v, call, "v")
     _check_like(tangents, primals, call, "v", "argument")
-    return torch.func.jvp(f, primals, tangents)  # type: ignore[no-any-return]
+    out, tangent_out = torch.func.jvp(f, primals, tangents)[:2]
+    return out, tangent_out
 
 
 def vjp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
@@ -220,7 +298,7 @@ def vjp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
     """
     call = f"vjp({_name(f)})"
     primals, was_seq = _as_tuple(args, call, "args")
-    out, vjp_fn = torch.func.vjp(f, *primals)
+    out, vjp_fn = _vjp(f, *primals)
     outs, _ = _as_tuple(out, call, "f(*args)")
     cots, _ = _as_tuple(v, call, "v")
     _check_like(cots, outs, call, "v", "output")
@@ -228,9 +306,13 @@ def vjp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
     return out, (res if was_seq else res[0])
 
 
-def _reverse_rows(out: torch.Tensor, vjp_fn: Callable[..., Any],
-                  primals: Sequence[torch.Tensor], chunk_size: int | None,
-                  vectorize: bool) -> tuple[torch.Tensor, ...]:
+def _reverse_rows(
+    out: torch.Tensor,
+    vjp_fn: Callable[..., Any],
+    primals: Sequence[torch.Tensor],
+    chunk_size: int | None,
+    vectorize: bool,
+) -> tuple[torch.Tensor, ...]:
     """Jacobian blocks from ``m`` VJPs: one [*O, *X] block per primal."""
     m = out.numel()
     basis = torch.eye(m, dtype=out.dtype, device=out.device).view(m, *out.shape)
@@ -239,19 +321,20 @@ def _reverse_rows(out: torch.Tensor, vjp_fn: Callable[..., Any],
     else:
         per_row = [vjp_fn(b) for b in basis]
         rows = tuple(torch.stack([r[k] for r in per_row]) for k in range(len(primals)))
-    return tuple(r.reshape(*out.shape, *p.shape) for r, p in zip(rows, primals))
+    return tuple(r.reshape(*out.shape, *p.shape) for r, p in zip(rows, primals, strict=True))
 
 
-def _forward_cols(g: Callable[..., Any], primals: Sequence[torch.Tensor],
-                  chunk_size: int | None, vectorize: bool) -> tuple[torch.Tensor, ...]:
+def _forward_cols(
+    g: Callable[..., Any], primals: Sequence[torch.Tensor], chunk_size: int | None, vectorize: bool
+) -> tuple[torch.Tensor, ...]:
     """Jacobian blocks from ``n`` JVPs: one [*O, *X] block per primal."""
     sizes = [p.numel() for p in primals]
     n = sum(sizes)
     tangents = []
     offset = 0
-    for p, s in zip(primals, sizes):
+    for p, s in zip(primals, sizes, strict=True):
         t = torch.zeros(n, s, dtype=p.dtype, device=p.device)
-        t[offset:offset + s].copy_(torch.eye(s, dtype=p.dtype, device=p.device))
+        t[offset : offset + s].copy_(torch.eye(s, dtype=p.dtype, device=p.device))
         tangents.append(t.view(n, *p.shape))
         offset += s
 
@@ -265,16 +348,21 @@ def _forward_cols(g: Callable[..., Any], primals: Sequence[torch.Tensor],
     out_shape = cols.shape[1:]
     blocks = []
     offset = 0
-    for p, s in zip(primals, sizes):
-        block = cols[offset:offset + s].movedim(0, -1)
+    for p, s in zip(primals, sizes, strict=True):
+        block = cols[offset : offset + s].movedim(0, -1)
         blocks.append(block.reshape(*out_shape, *p.shape))
         offset += s
     return tuple(blocks)
 
 
-def jacobian(f: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...] = 0,
-             mode: str = "auto", chunk_size: int | None = None,
-             vectorize: bool = True) -> Any:
+def jacobian(
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: int | tuple[int, ...] = 0,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+    vectorize: bool = True,
+) -> Any:
     r"""The Jacobian of ``f`` at ``args``, picking forward or reverse mode by size.
 
     .. math:: J[o, x] = \frac{\partial f(\text{args})[o]}{\partial \text{args}[\text{argnums}][x]}
@@ -284,7 +372,8 @@ def jacobian(f: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...] =
         *args: the point.
         argnums: which argument(s) to differentiate; a tuple gives a tuple of blocks.
         mode: ``"auto"`` (reverse when ``prod(O) <= n``, the number of differentiated
-            elements, else forward), ``"reverse"`` or ``"forward"``.
+            elements, else forward; reverse also when an operation has no forward-mode rule,
+            e.g. a :func:`custom_gradient`), ``"reverse"`` or ``"forward"``.
         chunk_size: how many VJPs/JVPs to vectorize at once (memory knob; None = all).
         vectorize: False computes one product at a time in a Python loop, for functions with
             operations that ``torch.func.vmap`` cannot batch.
@@ -308,20 +397,30 @@ def jacobian(f: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...] =
     _check_differentiable(args, nums, call)
     g = _substitute(f, args, nums)
     primals = tuple(args[i] for i in nums)
+    blocks: tuple[torch.Tensor, ...] | None = None
     if mode == "forward":
         blocks = _forward_cols(g, primals, chunk_size, vectorize)
     else:
-        out, vjp_fn = torch.func.vjp(g, *primals)
+        out, vjp_fn = _vjp(g, *primals)
         out = _check_tensor_output(out, call)
         if mode == "auto" and out.numel() > sum(p.numel() for p in primals):
-            blocks = _forward_cols(g, primals, chunk_size, vectorize)
-        else:
+            try:
+                blocks = _forward_cols(g, primals, chunk_size, vectorize)
+            except NotImplementedError as err:  # e.g. an autograd.Function without jvp
+                logger.debug("%s: forward mode unavailable (%s); using reverse mode", call, err)
+        if blocks is None:
             blocks = _reverse_rows(out, vjp_fn, primals, chunk_size, vectorize)
+    assert blocks is not None
     return blocks[0] if isinstance(argnums, int) else blocks
 
 
-def batch_jacobian(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *,
-                   mode: str = "auto", chunk_size: int | None = None) -> torch.Tensor:
+def batch_jacobian(
+    f: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    *,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     r"""Per-example Jacobians ``J[i] = d f(x)[i] / d x[i]`` of a function that maps rows to rows.
 
     ``f`` must compute row ``i`` of its output from row ``i`` of ``x`` only (no BatchNorm in
@@ -357,13 +456,27 @@ def batch_jacobian(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *
     _check_chunk(chunk_size, call)
     _check_differentiable((x,), (0,), call)
     if x.dim() == 0:
-        raise ValueError(message(call, "x", "a tensor with a leading batch dimension",
-                                 describe(x), "pass x of shape [batch, ...]"))
-    out, vjp_fn = torch.func.vjp(f, x)
+        raise ValueError(
+            message(
+                call,
+                "x",
+                "a tensor with a leading batch dimension",
+                describe(x),
+                "pass x of shape [batch, ...]",
+            )
+        )
+    out, vjp_fn = _vjp(f, x)
     out = _check_tensor_output(out, call)
     if out.dim() == 0 or out.shape[0] != x.shape[0]:
-        raise ValueError(message(call, "f(x)", f"leading dimension {x.shape[0]} (that of x)",
-                                 describe(out), "f must map each row of x to a row of output"))
+        raise ValueError(
+            message(
+                call,
+                "f(x)",
+                f"leading dimension {x.shape[0]} (that of x)",
+                describe(out),
+                "f must map each row of x to a row of output",
+            )
+        )
     b, o_shape, x_shape = x.shape[0], out.shape[1:], x.shape[1:]
     m, n = out[0].numel(), x[0].numel()
     if mode == "reverse" or (mode == "auto" and m <= n):
@@ -373,17 +486,27 @@ def batch_jacobian(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *
     basis = torch.eye(n, dtype=x.dtype, device=x.device).view(n, 1, *x_shape)
 
     def push(t: torch.Tensor) -> torch.Tensor:
-        return torch.func.jvp(f, (x,), (t,))[1]  # type: ignore[no-any-return]
+        return torch.func.jvp(f, (x,), (t,))[1]
 
-    cols = vmap(push, chunk_size=chunk_size)(basis.expand(n, b, *x_shape))
+    try:
+        cols = vmap(push, chunk_size=chunk_size)(basis.expand(n, b, *x_shape))
+    except NotImplementedError as err:  # e.g. an autograd.Function without jvp
+        if mode == "forward":
+            raise
+        logger.debug("%s: forward mode unavailable (%s); using reverse mode", call, err)
+        return batch_jacobian(f, x, mode="reverse", chunk_size=chunk_size)
     return cols.reshape(n, b, m).permute(1, 2, 0).reshape(b, *o_shape, *x_shape)
 
 
 _DEFAULT_HESSIAN_CHUNK = 256
 
 
-def hessian(f: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...] = 0,
-            chunk_size: int | None = None) -> Any:
+def hessian(
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: int | tuple[int, ...] = 0,
+    chunk_size: int | None = None,
+) -> Any:
     r"""The Hessian of ``f`` at ``args`` (reverse over reverse, chunked).
 
     .. math:: H[o, x, x'] = \frac{\partial^2 f(\text{args})[o]}{\partial x \, \partial x'}
@@ -420,13 +543,19 @@ def hessian(f: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...] = 
     primals = [args[i] for i in nums]
     dtypes = {p.dtype for p in primals}
     if len(dtypes) > 1:
-        raise TypeError(message(call, "argnums", "arguments of one dtype",
-                                ", ".join(str(d) for d in dtypes),
-                                "convert them to one dtype or take one Hessian per argument"))
+        raise TypeError(
+            message(
+                call,
+                "argnums",
+                "arguments of one dtype",
+                ", ".join(str(d) for d in dtypes),
+                "convert them to one dtype or take one Hessian per argument",
+            )
+        )
     sizes = [p.numel() for p in primals]
 
     def flat_f(v: torch.Tensor) -> Any:
-        parts = [t.view(p.shape) for t, p in zip(v.split(sizes), primals)]
+        parts = [t.view(p.shape) for t, p in zip(v.split(sizes), primals, strict=True)]
         return _substitute(f, args, nums)(*parts)
 
     v0 = torch.cat([p.reshape(-1) for p in primals])
@@ -437,9 +566,11 @@ def hessian(f: Callable[..., Any], *args: Any, argnums: int | tuple[int, ...] = 
         return h.reshape(*o_shape, *primals[0].shape, *primals[0].shape)
     rows = h.split(sizes, dim=-2)
     return tuple(
-        tuple(blk.reshape(*o_shape, *pi.shape, *pj.shape)
-              for blk, pj in zip(r.split(sizes, dim=-1), primals))
-        for r, pi in zip(rows, primals)
+        tuple(
+            blk.reshape(*o_shape, *pi.shape, *pj.shape)
+            for blk, pj in zip(r.split(sizes, dim=-1), primals, strict=True)
+        )
+        for r, pi in zip(rows, primals, strict=True)
     )
 
 

@@ -18,9 +18,15 @@ __all__ = [
 ]
 
 
-def per_example_grads(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                      inputs: torch.Tensor, targets: Any, *, batch_dim: int = 0,
-                      dtype: torch.dtype | None = torch.float64) -> dict[str, torch.Tensor]:
+def per_example_grads(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: Any,
+    *,
+    batch_dim: int = 0,
+    dtype: torch.dtype | None = torch.float64,
+) -> dict[str, torch.Tensor]:
     """Individual gradients ``g_i = d l_i / d theta`` by a loop over examples with autograd.
 
     Args:
@@ -58,16 +64,17 @@ def per_example_grads(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tens
     rows: dict[str, list[torch.Tensor]] = {n: [] for n, _ in named}
     for i in range(inputs.shape[batch_dim]):
         x_i = inputs.narrow(batch_dim, i, 1)
-        y_i = None if targets is None else targets[i:i + 1]
+        y_i = None if targets is None else targets[i : i + 1]
         loss = loss_fn(m(x_i), y_i)
         grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        for (n, p), g in zip(named, grads):
+        for (n, p), g in zip(named, grads, strict=True):
             rows[n].append(torch.zeros_like(p) if g is None else g)
     return {n: torch.stack(r) for n, r in rows.items()}
 
 
-def finite_difference_jacobian(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *,
-                               eps: float = 1e-6) -> torch.Tensor:
+def finite_difference_jacobian(
+    f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, eps: float = 1e-6
+) -> torch.Tensor:
     """Central differences in float64: ``J[..., k] = (f(x + eps e_k) - f(x - eps e_k)) / 2eps``.
 
     Returns a tensor of shape ``f(x).shape + x.shape``.
@@ -90,14 +97,20 @@ def finite_difference_jacobian(f: Callable[[torch.Tensor], torch.Tensor], x: tor
     return jac.reshape(*jac.shape[:-1], *x.shape)
 
 
-def finite_difference_grad(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *,
-                           eps: float = 1e-6) -> torch.Tensor:
+def finite_difference_grad(
+    f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, eps: float = 1e-6
+) -> torch.Tensor:
     """The gradient of a scalar ``f`` by central differences in float64, shaped like ``x``."""
     return finite_difference_jacobian(lambda z: f(z).reshape(()), x, eps=eps)
 
 
-def finite_difference_hvp(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                          v: torch.Tensor, *, eps: float = 1e-5) -> torch.Tensor:
+def finite_difference_hvp(
+    f: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """``H v`` by central differences of the autograd gradient along ``v`` (float64)."""
     x64, v64 = x.detach().to(torch.float64), v.detach().to(torch.float64)
 

@@ -9,10 +9,22 @@ import torch
 
 __all__ = ["assert_close", "tolerances"]
 
-_RTOL = {torch.float64: 1e-10, torch.complex128: 1e-10, torch.float32: 1e-5,
-         torch.complex64: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-_ATOL = {torch.float64: 1e-12, torch.complex128: 1e-12, torch.float32: 1e-6,
-         torch.complex64: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+_RTOL = {
+    torch.float64: 1e-10,
+    torch.complex128: 1e-10,
+    torch.float32: 1e-5,
+    torch.complex64: 1e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-2,
+}
+_ATOL = {
+    torch.float64: 1e-12,
+    torch.complex128: 1e-12,
+    torch.float32: 1e-6,
+    torch.complex64: 1e-6,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-3,
+}
 
 
 def tolerances(dtype: torch.dtype, *, long_reduction: bool = False) -> tuple[float, float]:
@@ -28,8 +40,10 @@ def tolerances(dtype: torch.dtype, *, long_reduction: bool = False) -> tuple[flo
         (0.0001, 1e-05)
     """
     if dtype not in _RTOL:
-        raise ValueError(f"tolerances(dtype): dtype: expected a floating or complex dtype, got "
-                         f"{dtype}; compare integer results exactly")
+        raise ValueError(
+            f"tolerances(dtype): dtype: expected a floating or complex dtype, got "
+            f"{dtype}; compare integer results exactly"
+        )
     rtol, atol = _RTOL[dtype], _ATOL[dtype]
     if long_reduction and dtype in (torch.float32, torch.complex64):
         rtol, atol = 1e-4, 1e-5
@@ -44,9 +58,15 @@ def _flatten(value: Any, prefix: str) -> list[tuple[str, Any]]:
     return [(prefix, value)]
 
 
-def assert_close(actual: Any, expected: Any, *, rtol: float | None = None,
-                 atol: float | None = None, long_reduction: bool = False,
-                 name: str = "result") -> None:
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    long_reduction: bool = False,
+    name: str = "result",
+) -> None:
     """Compare (nested) tensors with the dtype's tolerance and report *every* mismatch.
 
     Structures (dicts, lists, tuples) must match; ``None`` must meet ``None``.
@@ -62,10 +82,9 @@ def assert_close(actual: Any, expected: Any, *, rtol: float | None = None,
     """
     got, want = _flatten(actual, name), _flatten(expected, name)
     if [k for k, _ in got] != [k for k, _ in want]:
-        raise AssertionError(f"structures differ: {[k for k, _ in got]} vs "
-                             f"{[k for k, _ in want]}")
+        raise AssertionError(f"structures differ: {[k for k, _ in got]} vs {[k for k, _ in want]}")
     problems = []
-    for (key, a), (_, e) in zip(got, want):
+    for (key, a), (_, e) in zip(got, want, strict=True):
         if a is None or e is None:
             if a is not e:
                 problems.append(f"  {key}: {a!r} vs {e!r}")
@@ -87,9 +106,12 @@ def assert_close(actual: Any, expected: Any, *, rtol: float | None = None,
             diff = (a_t - e_t).abs()
             diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
             idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.dim() else ()
-            problems.append(f"  {key}: max abs diff {diff.max().item():.3g} at index {idx} "
-                            f"(rtol {r:g}, atol {t:g}); {int(bad.sum())} of {bad.numel()} "
-                            "elements off")
+            problems.append(
+                f"  {key}: max abs diff {diff.max().item():.3g} at index {idx} "
+                f"(rtol {r:g}, atol {t:g}); {int(bad.sum())} of {bad.numel()} "
+                "elements off"
+            )
     if problems:
-        raise AssertionError(f"{len(problems)} of {len(got)} entries differ:\n"
-                             + "\n".join(problems))
+        raise AssertionError(
+            f"{len(problems)} of {len(got)} entries differ:\n" + "\n".join(problems)
+        )

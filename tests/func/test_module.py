@@ -1,0 +1,125 @@
+"""Module helpers: results keyed like named_parameters, vs functional oracles."""
+
+import pytest
+import torch
+from torch import nn
+
+from gradkit.func import (
+    hessian,
+    module_grad,
+    module_hessian,
+    module_hvp,
+    module_hvp_operator,
+    module_jacobian,
+    module_value_and_grad,
+)
+from gradkit.testing import assert_close
+
+D = torch.float64
+
+
+def setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    return model, nn.functional.cross_entropy, batch
+
+
+def flat_loss(model, loss_fn, batch):
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+
+    def f(theta):
+        params = {n: t.view(s) for n, t, s in zip(names, theta.split(sizes), shapes, strict=True)}
+        return loss_fn(torch.func.functional_call(model, params, (batch[0],)), batch[1])
+
+    return f, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_grad_matches_backward_and_leaves_grad_alone():
+    model, loss_fn, batch = setup()
+    loss, g = module_value_and_grad(model, loss_fn, batch)
+    assert all(p.grad is None for p in model.parameters())
+    loss_fn(model(batch[0]), batch[1]).backward()
+    assert_close(g, {n: p.grad for n, p in model.named_parameters()})
+    assert list(module_grad(model, loss_fn, batch)) == [n for n, _ in model.named_parameters()]
+
+
+def test_frozen_and_selected_params():
+    model, loss_fn, batch = setup()
+    model[0].weight.requires_grad_(False)
+    assert "0.weight" not in module_grad(model, loss_fn, batch)
+    g = module_grad(model, loss_fn, batch, params=["2.bias"])
+    assert list(g) == ["2.bias"]
+    with pytest.raises(
+        ValueError,
+        match=r"params: expected names from "
+        r"model.named_parameters\(\), got \['nope'\]",
+    ):
+        module_grad(model, loss_fn, batch, params=["nope"])
+
+
+def test_hessian_hvp_operator_agree_with_flat_oracle():
+    model, loss_fn, batch = setup()
+    f, theta = flat_loss(model, loss_fn, batch)
+    H = hessian(f, theta)
+    assert_close(module_hessian(model, loss_fn, batch, flat=True), H)
+    blocks = module_hessian(model, loss_fn, batch)
+    assert blocks["0.weight"]["2.bias"].shape == (4, 3, 2)
+    assert_close(blocks["0.weight"]["0.weight"].reshape(12, 12), H[:12, :12])
+    op = module_hvp_operator(model, loss_fn, batch)
+    v = torch.randn(theta.numel(), dtype=D)
+    assert_close(op @ v, H @ v)
+    vd = dict(zip([n for n, _ in model.named_parameters()], op.unflatten(v), strict=True))
+    hv = module_hvp(model, loss_fn, batch, vd)
+    assert_close(hv, dict(zip(vd, op.unflatten(H @ v), strict=True)))
+
+
+def test_unused_parameter_gives_zero_block_not_error():
+    class WithSpare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(2, 1)
+            self.spare = nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = WithSpare().to(D)
+    batch = (torch.randn(4, 2, dtype=D), torch.randn(4, 1, dtype=D))
+    g = module_grad(model, nn.functional.mse_loss, batch)
+    assert_close(g["spare.weight"], torch.zeros(1, 2, dtype=D))
+    op = module_hvp_operator(model, nn.functional.mse_loss, batch)
+    dense = op.to_dense()
+    assert torch.count_nonzero(dense[3:, :]) == 0 and torch.count_nonzero(dense[:3, :3]) > 0
+
+
+def test_jacobian_wrt_params():
+    model, _, batch = setup()
+    J = module_jacobian(model, batch[0][:2])
+    for n, p in model.named_parameters():
+        assert J[n].shape == (2, 2, *p.shape)
+    names = [n for n, _ in model.named_parameters()]
+    want = torch.func.jacrev(
+        lambda ps: torch.func.functional_call(
+            model, dict(zip(names, ps, strict=True)), (batch[0][:2],)
+        )
+    )(tuple(p.detach() for p in model.parameters()))
+    assert_close([J[n] for n in names], list(want))
+
+
+def test_buffers_untouched_and_errors():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)).to(D).eval()
+    before = model[1].running_mean.clone()
+    batch = (torch.randn(5, 3, dtype=D), torch.randn(5, 1, dtype=D))
+    module_hessian(model, nn.functional.mse_loss, batch)
+    assert torch.equal(model[1].running_mean, before)
+    with pytest.raises(TypeError, match=r"batch: expected a pair \(inputs, targets\)"):
+        module_grad(model, nn.functional.mse_loss, batch[0])
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        module_grad(lambda x: x, nn.functional.mse_loss, batch)
+    with pytest.raises(ValueError, match=r"v\['0.weight'\]: expected shape \(3, 3\)"):
+        module_hvp(model, nn.functional.mse_loss, batch, {"0.weight": torch.ones(2)})
+    with pytest.raises(ValueError, match="expected a function returning a scalar tensor"):
+        module_grad(model, lambda o, t: o - t, batch)

@@ -1,0 +1,253 @@
+"""grad, value_and_grad, jvp, vjp, jacobian, batch_jacobian, hessian vs torch.func, gradcheck and
+finite differences (float64)."""
+
+import pytest
+import torch
+from torch import nn
+
+from gradkit.func import (
+    batch_jacobian,
+    grad,
+    hessian,
+    jacobian,
+    jvp,
+    stop_gradient,
+    value_and_grad,
+    vjp,
+)
+from gradkit.testing import assert_close, finite_difference_jacobian
+
+D = torch.float64
+
+
+def mlp(n_in, n_out, hidden=16):
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, n_out)).to(D)
+
+
+# -- grad / value_and_grad -------------------------------------------------------------------
+
+
+def test_grad_vs_finite_differences_and_gradcheck():
+    f = lambda x: (x.sin() * x).sum()
+    x = torch.randn(5, dtype=D)
+    assert_close(grad(f)(x), finite_difference_jacobian(f, x), rtol=1e-7, atol=1e-9)
+    assert torch.autograd.gradcheck(grad(f), (x.clone().requires_grad_(),))
+
+
+def test_grad_argnums_and_has_aux():
+    f = lambda x, y: ((x * y).sum(), {"prod": x * y})
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    gx, aux = grad(f, has_aux=True)(x, y)
+    assert_close([gx, aux["prod"]], [y, x * y])
+    (gx, gy), aux = grad(f, argnums=(0, 1), has_aux=True)(x, y)
+    assert_close([gx, gy], [y, x])
+    (value, aux), gy = value_and_grad(f, argnums=1, has_aux=True)(x, y)
+    assert_close([value, gy, aux["prod"]], [torch.tensor(11.0), x, x * y])
+    assert_close(grad(f, argnums=-1, has_aux=True)(x, y)[0], x)
+
+
+def test_grad_errors():
+    x = torch.ones(2)
+    with pytest.raises(
+        ValueError,
+        match=r"grad\(<lambda>\): argnums: expected indices in "
+        r"\[-1, 1\) \(f was given 1 positional argument\), got 2",
+    ):
+        grad(lambda x: x.sum(), argnums=2)(x)
+    with pytest.raises(TypeError, match="argnums: expected an int or a tuple of ints"):
+        grad(lambda x: x.sum(), argnums="0")(x)
+    with pytest.raises(ValueError, match="argnums: expected distinct indices"):
+        grad(lambda x, y: x.sum(), argnums=(0, -2))(x, x)
+    with pytest.raises(ValueError, match="expected a function returning a scalar tensor"):
+        grad(lambda x: x * 2)(x)
+    with pytest.raises(TypeError, match=r"argument 0: expected a floating-point tensor"):
+        grad(lambda x: x.sum())(torch.ones(2, dtype=torch.long))
+    with pytest.raises(TypeError, match="has_aux: expected f to return"):
+        grad(lambda x: x.sum(), has_aux=True)(x)
+    with pytest.raises(TypeError, match="f: expected a callable"):
+        grad(3)
+
+
+def test_grad_unused_argument_gives_zeros():
+    gx, gy = grad(lambda x, y: x.sum(), argnums=(0, 1))(torch.ones(2), torch.ones(3))
+    assert_close(gy, torch.zeros(3))
+
+
+def test_stop_gradient():
+    f = lambda x: (x * stop_gradient(x)).sum()
+    x = torch.tensor([3.0, -1.0])
+    assert_close(grad(f)(x), x)
+    xr = x.clone().requires_grad_()
+    f(xr).backward()
+    assert_close(xr.grad, x)
+
+
+# -- jvp / vjp --------------------------------------------------------------------------------
+
+
+def test_jvp_vjp_vs_jacobian():
+    net = mlp(4, 3)
+    x, v, u = torch.randn(4, dtype=D), torch.randn(4, dtype=D), torch.randn(3, dtype=D)
+    J = finite_difference_jacobian(net, x)
+    out, jv = jvp(net, x, v)
+    assert_close([out, jv], [net(x), J @ v], rtol=1e-7, atol=1e-9)
+    out, uj = vjp(net, x, u)
+    assert_close(uj, u @ J, rtol=1e-7, atol=1e-9)
+
+
+def test_jvp_vjp_tuples_and_errors():
+    f = lambda a, b: a * b.sum()
+    a, b = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+    _, (ga, gb) = vjp(f, (a, b), torch.ones(3, dtype=D))
+    assert_close(
+        [ga, gb],
+        [torch.full((3,), b.sum().item(), dtype=D), torch.full((2,), a.sum().item(), dtype=D)],
+    )
+    _, t = jvp(f, (a, b), (torch.ones(3, dtype=D), torch.zeros(2, dtype=D)))
+    assert_close(t, torch.full((3,), b.sum().item(), dtype=D))
+    with pytest.raises(ValueError, match=r"jvp\(<lambda>\): v: expected 2 tensors"):
+        jvp(f, (a, b), (a,))
+    with pytest.raises(ValueError, match=r"v\[1\]: expected shape \(2,\)"):
+        jvp(f, (a, b), (a, a))
+    with pytest.raises(ValueError, match=r"vjp\(<lambda>\): v\[0\]: expected shape \(3,\)"):
+        vjp(f, (a, b), torch.ones(2))
+    with pytest.raises(TypeError, match="args: expected a tensor or a tuple of tensors"):
+        vjp(f, [a, 3], torch.ones(3))
+
+
+# -- jacobian ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_in,n_out", [(10, 3), (3, 10)])
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_jacobian_modes_agree_with_finite_differences(n_in, n_out, mode, vectorize):
+    net = mlp(n_in, n_out)
+    x = torch.randn(n_in, dtype=D)
+    J = jacobian(net, x, mode=mode, vectorize=vectorize)
+    assert J.shape == (n_out, n_in)
+    assert_close(J, finite_difference_jacobian(net, x), rtol=1e-7, atol=1e-9)
+    assert_close(J, torch.func.jacrev(net)(x))
+
+
+def test_jacobian_tf_example_and_shapes():
+    assert_close(
+        jacobian(lambda x: x * x, torch.tensor([1.0, 2.0])), torch.tensor([[2.0, 0.0], [0.0, 4.0]])
+    )
+    x = torch.randn(2, 3, dtype=D)
+    J = jacobian(lambda x: x.sin().sum(0), x)  # [3] from [2, 3]
+    assert J.shape == (3, 2, 3)
+    assert_close(J, torch.func.jacfwd(lambda x: x.sin().sum(0))(x))
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+def test_jacobian_argnums_tuple_and_chunks(mode):
+    f = lambda a, b: torch.cat([a * b.sum(), b.exp()])
+    a, b = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
+    Ja, Jb = jacobian(f, a, b, argnums=(0, 1), mode=mode, chunk_size=2)
+    want = torch.func.jacrev(f, argnums=(0, 1))(a, b)
+    assert_close([Ja, Jb], list(want))
+    assert_close(jacobian(f, a, b, argnums=1, mode=mode), want[1])
+
+
+def test_jacobian_auto_picks_by_size(monkeypatch):
+    import gradkit.func._transforms as T
+
+    calls = []
+    real_fwd, real_rev = T._forward_cols, T._reverse_rows
+    monkeypatch.setattr(T, "_forward_cols", lambda *a: calls.append("forward") or real_fwd(*a))
+    monkeypatch.setattr(T, "_reverse_rows", lambda *a: calls.append("reverse") or real_rev(*a))
+    jacobian(mlp(10, 3), torch.randn(10, dtype=D))
+    jacobian(mlp(3, 10), torch.randn(3, dtype=D))
+    assert calls == ["reverse", "forward"]
+
+
+def test_jacobian_errors():
+    x = torch.ones(2)
+    with pytest.raises(
+        ValueError,
+        match=r"jacobian\(<lambda>\): mode: expected one of 'auto', "
+        r"'forward', 'reverse', got 'fwd'",
+    ):
+        jacobian(lambda x: x, x, mode="fwd")
+    with pytest.raises(ValueError, match="chunk_size: expected None or a positive int, got 0"):
+        jacobian(lambda x: x, x, chunk_size=0)
+    with pytest.raises(ValueError, match=r"argnums: expected indices in \[-1, 1\)"):
+        jacobian(lambda x: x, x, argnums=1)
+    with pytest.raises(TypeError, match="f: expected a function returning one tensor"):
+        jacobian(lambda x: (x, x), x)
+
+
+# -- batch_jacobian ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_in,n_out", [(6, 2), (2, 6)])
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+def test_batch_jacobian_equals_loop_of_jacobians(n_in, n_out, mode):
+    net = mlp(n_in, n_out)
+    X = torch.randn(5, n_in, dtype=D)
+    Jb = batch_jacobian(net, X, mode=mode)
+    assert Jb.shape == (5, n_out, n_in)
+    assert_close(Jb, torch.stack([jacobian(net, x) for x in X]))
+
+
+def test_batch_jacobian_tf_example_and_rank():
+    X = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert_close(
+        batch_jacobian(lambda x: x * x, X),
+        torch.tensor([[[2.0, 0.0], [0.0, 4.0]], [[6.0, 0.0], [0.0, 8.0]]]),
+    )
+    X = torch.randn(4, 2, 3, dtype=D)
+    f = lambda x: x.sin().sum(-1, keepdim=True) * x
+    Jb = batch_jacobian(f, X, chunk_size=2)
+    assert Jb.shape == (4, 2, 3, 2, 3)
+    assert_close(Jb, torch.func.vmap(torch.func.jacrev(f))(X))
+
+
+def test_batch_jacobian_errors():
+    with pytest.raises(ValueError, match=r"f\(x\): expected leading dimension 3"):
+        batch_jacobian(lambda x: x.sum(0, keepdim=True), torch.ones(3, 2))
+    with pytest.raises(ValueError, match=r"f\(x\): expected leading dimension 3"):
+        batch_jacobian(lambda x: x.sum(), torch.ones(3, 2))
+    with pytest.raises(ValueError, match="x: expected a tensor with a leading batch dimension"):
+        batch_jacobian(lambda x: x, torch.tensor(1.0))
+
+
+# -- hessian ----------------------------------------------------------------------------------
+
+
+def test_hessian_quadratic_convention():
+    A = torch.tensor([[1.0, 2.0, 0.0], [-1.0, 3.0, 4.0], [0.5, 0.0, 2.0]], dtype=D)
+    H = hessian(lambda x: 0.5 * x @ A @ x, torch.randn(3, dtype=D))
+    assert_close(H, (A + A.T) / 2)
+
+
+def test_hessian_vs_torch_func_and_finite_differences():
+    net = mlp(4, 1)
+    f = lambda x: net(x).squeeze() ** 2
+    x = torch.randn(4, dtype=D)
+    H = hessian(f, x)
+    assert_close(H, torch.func.hessian(f)(x))
+    assert_close(H, finite_difference_jacobian(torch.func.grad(f), x), rtol=1e-6, atol=1e-8)
+    assert_close(H, H.T)
+    assert_close(hessian(f, x, chunk_size=1), H)
+
+
+def test_hessian_blocks_and_shapes():
+    f = lambda a, b: (a.sin().sum() * b.cos()).sum() + (a**2).sum()
+    a, b = torch.randn(2, 2, dtype=D), torch.randn(3, dtype=D)
+    blocks = hessian(f, a, b, argnums=(0, 1))
+    want = torch.func.hessian(f, argnums=(0, 1))(a, b)
+    assert blocks[0][1].shape == (2, 2, 3)
+    assert_close(blocks, want)
+    # non-scalar output: O + X + X
+    g = lambda x: x**3
+    assert hessian(g, torch.ones(2, dtype=D)).shape == (2, 2, 2)
+
+
+def test_hessian_errors():
+    with pytest.raises(TypeError, match="arguments of one dtype"):
+        hessian(
+            lambda a, b: a.sum() + b.sum(), torch.ones(2), torch.ones(2, dtype=D), argnums=(0, 1)
+        )
