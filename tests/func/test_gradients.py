@@ -238,3 +238,9 @@ def test_hessians_chunked_and_linear_and_unconnected():
     u = torch.ones(2, requires_grad=True)
     assert hessians((3 * x).sum(), [u]) == [None]
     assert_close(hessians((3 * x).sum(), [u], unconnected_gradients="zero"), [torch.zeros(2, 2)])
+
+
+def test_hessians_scalar_x_and_linear_scalar():
+    x = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    assert_close(hessians(x**3, x), [torch.tensor(12.0, dtype=torch.float64)])
+    assert_close(hessians(3 * x, x), [torch.tensor(0.0, dtype=torch.float64)])

@@ -343,13 +343,13 @@ def hessians(
     for x, g in zip(x_list, firsts, strict=True):
         if g is None:
             out.append(
-                torch.zeros(*x.shape, *x.shape, dtype=x.dtype, device=x.device)
+                torch.zeros((*x.shape, *x.shape), dtype=x.dtype, device=x.device)
                 if unconnected_gradients == "zero"
                 else None
             )
         elif not g.requires_grad:  # second derivative identically zero
-            out.append(torch.zeros(*x.shape, *x.shape, dtype=x.dtype, device=x.device))
+            out.append(torch.zeros((*x.shape, *x.shape), dtype=x.dtype, device=x.device))
         else:
             rows = _flat_hessian_rows(g, x, chunk_size, create_graph)
-            out.append(rows.reshape(*x.shape, *x.shape))
+            out.append(rows.reshape((*x.shape, *x.shape)))
     return out

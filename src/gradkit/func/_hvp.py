@@ -48,7 +48,7 @@ def _second_grads(
     live = [k for k, g in enumerate(gs) if g is not None and g.requires_grad]
     lead = (vs[0].shape[0],) if batched else ()
     if not live:
-        return [x.new_zeros(*lead, *x.shape) for x in xs]
+        return [x.new_zeros((*lead, *x.shape)) for x in xs]
     outputs: list[torch.Tensor] = [g for g in gs if g is not None and g.requires_grad]
     res = torch.autograd.grad(
         outputs,
@@ -59,7 +59,9 @@ def _second_grads(
         allow_unused=True,
         is_grads_batched=batched,
     )
-    return [x.new_zeros(*lead, *x.shape) if r is None else r for r, x in zip(res, xs, strict=True)]
+    return [
+        x.new_zeros((*lead, *x.shape)) if r is None else r for r, x in zip(res, xs, strict=True)
+    ]
 
 
 def hvp(
@@ -182,7 +184,7 @@ class HVPOperator:
         """Split a vector ``[n]`` (or ``[n, k]``) into pieces shaped like the arguments."""
         tail = vector.shape[1:]
         return [
-            p.reshape(*x.shape, *tail)
+            p.reshape((*x.shape, *tail))
             for p, x in zip(vector.split(self._sizes), self._xs, strict=True)
         ]
 

@@ -266,7 +266,7 @@ def module_hessian(
         return h
     return {
         ni: {
-            nj: blk.reshape(*chosen[ni].shape, *chosen[nj].shape)
+            nj: blk.reshape((*chosen[ni].shape, *chosen[nj].shape))
             for nj, blk in _split_last(row, chosen, 1).items()
         }
         for ni, row in _split_last(h, chosen, 0).items()
@@ -301,5 +301,6 @@ def module_jacobian(
     j = jacobian(lambda v: call_with(v, inputs), flat0, mode=mode, chunk_size=chunk_size)
     o_shape = j.shape[:-1]
     return {
-        n: blk.reshape(*o_shape, *chosen[n].shape) for n, blk in _split_last(j, chosen, -1).items()
+        n: blk.reshape((*o_shape, *chosen[n].shape))
+        for n, blk in _split_last(j, chosen, -1).items()
     }

@@ -321,7 +321,7 @@ def _reverse_rows(
     else:
         per_row = [vjp_fn(b) for b in basis]
         rows = tuple(torch.stack([r[k] for r in per_row]) for k in range(len(primals)))
-    return tuple(r.reshape(*out.shape, *p.shape) for r, p in zip(rows, primals, strict=True))
+    return tuple(r.reshape((*out.shape, *p.shape)) for r, p in zip(rows, primals, strict=True))
 
 
 def _forward_cols(
@@ -350,7 +350,7 @@ def _forward_cols(
     offset = 0
     for p, s in zip(primals, sizes, strict=True):
         block = cols[offset : offset + s].movedim(0, -1)
-        blocks.append(block.reshape(*out_shape, *p.shape))
+        blocks.append(block.reshape((*out_shape, *p.shape)))
         offset += s
     return tuple(blocks)
 
@@ -563,11 +563,11 @@ def hessian(
     h = torch.func.jacrev(torch.func.jacrev(flat_f), chunk_size=chunk)(v0)
     o_shape = h.shape[:-2]
     if isinstance(argnums, int):
-        return h.reshape(*o_shape, *primals[0].shape, *primals[0].shape)
+        return h.reshape((*o_shape, *primals[0].shape, *primals[0].shape))
     rows = h.split(sizes, dim=-2)
     return tuple(
         tuple(
-            blk.reshape(*o_shape, *pi.shape, *pj.shape)
+            blk.reshape((*o_shape, *pi.shape, *pj.shape))
             for blk, pj in zip(r.split(sizes, dim=-1), primals, strict=True)
         )
         for r, pi in zip(rows, primals, strict=True)

@@ -94,7 +94,7 @@ def finite_difference_jacobian(
             e = e.view(x64.shape)
             cols.append((f(x64 + e).to(torch.float64) - f(x64 - e).to(torch.float64)) / (2 * eps))
     jac = torch.stack(cols, dim=-1)
-    return jac.reshape(*jac.shape[:-1], *x.shape)
+    return jac.reshape((*jac.shape[:-1], *x.shape))
 
 
 def finite_difference_grad(
