@@ -4,11 +4,13 @@ Pillars (each a subpackage):
 
 * :mod:`gradkit.func`: TensorFlow-style ``gradients``/``hessians`` on PyTorch graphs, Jacobians
   with automatic forward/reverse choice, Hessians, HVP operators, ``custom_gradient``.
+* :mod:`gradkit.per_example`: statistics of individual gradients (moments, variance, norms,
+  per-example gradients) inside one batched backward pass.
 * :mod:`gradkit.testing`: the oracles every result is checked against.
 """
 
-from gradkit import func, testing
+from gradkit import func, per_example, testing
 from gradkit._errors import GradkitError
 from gradkit._version import __version__
 
-__all__ = ["GradkitError", "__version__", "func", "testing"]
+__all__ = ["GradkitError", "__version__", "func", "per_example", "testing"]

@@ -1,0 +1,36 @@
+"""gradkit.per_example: statistics of individual gradients inside one batched backward pass.
+
+* :func:`track` (context manager) -> :class:`Tracker` -> :class:`ParamStats` per parameter:
+  mean, second moment, variance, p-th moments, per-example squared norms and gradients;
+* per-layer rules (:func:`register_rule`, looked up along the MRO) for Linear (any leading
+  dims), Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm, RMSNorm; a vmap fallback for the rest;
+* derived quantities: :func:`noise_scale`, :func:`gradient_snr`, :func:`cabs_batch_size`.
+"""
+
+from gradkit.per_example._derived import cabs_batch_size, gradient_snr, noise_scale
+from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
+from gradkit.per_example._registry import RuleContext, Use, find_rule, register_rule
+from gradkit.per_example._stats import ParamStats
+from gradkit.per_example._track import Tracker, track
+
+__all__ = [
+    "Materialized",
+    "OuterProduct",
+    "ParamStats",
+    "PerExampleGrad",
+    "RuleContext",
+    "Tracker",
+    "Use",
+    "cabs_batch_size",
+    "find_rule",
+    "gradient_snr",
+    "noise_scale",
+    "register_rule",
+    "track",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("gradkit.per_example._"):
+        _obj.__module__ = __name__
+del _name, _obj

@@ -1,0 +1,54 @@
+"""Merging accumulated statistics across torch.distributed ranks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from gradkit.per_example._stats import Want, _Acc
+
+
+def _gather_rows(
+    parts: list[torch.Tensor], template: torch.Size, dtype: torch.dtype, group: Any
+) -> list[torch.Tensor]:
+    """All-gather variable-length ``[n_r, *template]`` blocks in rank order."""
+    local = torch.cat(parts) if parts else torch.zeros((0, *template), dtype=dtype)
+    world = dist.get_world_size(group)
+    size = torch.tensor([local.shape[0]], dtype=torch.long)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros((longest, *template), dtype=dtype)
+    padded[: local.shape[0]] = local
+    out = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded.contiguous(), group=group)
+    return [o[: int(s.item())] for o, s in zip(out, sizes, strict=True)]
+
+
+def all_reduce_accs(accs: list[_Acc], want: Want, group: Any) -> None:
+    """Sum counts and power sums over ranks; gather norms and individual gradients.
+
+    Every rank makes the same collective calls whatever it saw (a rank without examples
+    contributes zeros), so no rank waits forever on another.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "Tracker.all_reduce(group): torch.distributed is not initialized; "
+            "call torch.distributed.init_process_group first"
+        )
+    for acc in accs:
+        n = torch.tensor([acc.n], dtype=torch.long)
+        dist.all_reduce(n, group=group)
+        powers = ([1] if want.mean else []) + list(want.powers)
+        for p in powers:
+            if p not in acc.sums:
+                acc.sums[p] = torch.zeros(acc.shape, dtype=acc.dtype)
+            dist.all_reduce(acc.sums[p], group=group)
+        if "batch_l2" in want.quantities:
+            acc.l2 = [torch.cat(_gather_rows(acc.l2, torch.Size(), acc.dtype, group))]
+        if "batch_grad" in want.quantities:
+            acc.grads = [torch.cat(_gather_rows(acc.grads, acc.shape, acc.dtype, group))]
+        acc.n = int(n.item())

@@ -1,0 +1,119 @@
+"""Per-example gradients of one parameter, in the cheapest form a rule can give.
+
+Index legend: ``n`` example, ``t``/``s`` position (sequence element, spatial output position, or
+use of a shared layer), ``g`` group, ``o`` output feature, ``i`` input feature.
+
+* :class:`Materialized`: ``[N, *shape]``, already summed over positions.
+* :class:`OuterProduct`: ``g_n = sum_t G[n, t] (x) A[n, t]`` per group, i.e. the gradient of a
+  weight used as ``z[n, t, g] = W[g] a[n, t, g]`` (Linear on any number of leading dims,
+  convolution with ``A`` the unfolded patches). Closed forms:
+
+  - one position (``T == 1``): ``sum_n g_n^p = (G^p)^T (A^p)`` for every integer p, and
+    ``||g_n||^2 = ||a_n||^2 ||G_n||^2``, with no ``[N, *shape]`` tensor;
+  - several positions: ``||g_n||^2 = <A_n A_n^T, G_n G_n^T>`` (Gram form, ``O(T^2 (i + o))``
+    per example) when cheaper than materializing (``O(T i o)``). Moments need
+    ``(sum_t .)^p``, never ``sum_t (.)^p`` (TensorFlow's Conv2D moment drops these cross terms),
+    so they are materialized in chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["Materialized", "OuterProduct", "PerExampleGrad"]
+
+
+class PerExampleGrad:
+    """Per-example gradients ``g_n`` of one parameter, ``n = 0..N-1`` (unscaled).
+
+    Subclasses give :meth:`chunks` and may give closed forms in :meth:`power_sum` and
+    :meth:`sq_norms` (returning None means "materialize instead").
+    """
+
+    num_examples: int
+    shape: torch.Size
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""
+        raise NotImplementedError
+
+    def power_sum(self, p: int) -> torch.Tensor | None:
+        """``sum_n g_n ** p`` (shaped like the parameter) by a closed form, or None."""
+        return None
+
+    def sq_norms(self) -> torch.Tensor | None:
+        """``[N]`` squared norms ``||g_n||^2`` by a closed form, or None."""
+        return None
+
+
+class Materialized(PerExampleGrad):
+    """Per-example gradients given as one tensor ``[N, *shape]``."""
+
+    def __init__(self, grads: torch.Tensor) -> None:
+        self.grads = grads
+        self.num_examples = grads.shape[0]
+        self.shape = grads.shape[1:]
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        yield from self.grads.split(size)
+
+    def power_sum(self, p: int) -> torch.Tensor | None:
+        return self.grads.pow(p).sum(0) if p != 1 else self.grads.sum(0)
+
+    def sq_norms(self) -> torch.Tensor | None:
+        return self.grads.flatten(1).square().sum(1)
+
+
+class OuterProduct(PerExampleGrad):
+    """``g_n = sum_t G[n, t, g]^T A[n, t, g]`` per group ``g``, reshaped to ``shape``.
+
+    Args:
+        A: ``[N, T, groups, i]`` inputs (activations or unfolded patches).
+        G: ``[N, T, groups, o]`` gradients w.r.t. the outputs.
+        shape: the parameter's shape; ``groups * o * i`` elements laid out as ``[g, o, i]``.
+    """
+
+    def __init__(self, A: torch.Tensor, G: torch.Tensor, shape: torch.Size) -> None:
+        self.A, self.G = A, G
+        self.num_examples, self.T, self.groups, self.i = A.shape
+        self.o = G.shape[-1]
+        self.shape = shape
+
+    def _block(self, start: int, stop: int) -> torch.Tensor:
+        a, g = self.A[start:stop], self.G[start:stop]
+        if self.groups == 1:
+            out = torch.bmm(g[:, :, 0].transpose(1, 2), a[:, :, 0])  # [n, o, i]
+        else:
+            out = torch.einsum("ntgo,ntgi->ngoi", g, a)
+        return out.reshape(stop - start, *self.shape)
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        for start in range(0, self.num_examples, size):
+            yield self._block(start, min(start + size, self.num_examples))
+
+    def power_sum(self, p: int) -> torch.Tensor | None:
+        if self.T != 1:
+            return None
+        a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
+        if p != 1:
+            a, g = a.pow(p), g.pow(p)
+        if self.groups == 1:
+            return (g[:, 0].T @ a[:, 0]).reshape(self.shape)
+        return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
+
+    def gram_is_cheaper(self) -> bool:
+        """Cost model: Gram norms ``T^2 (i + o)`` vs materializing ``T i o`` per group."""
+        return self.T * (self.i + self.o) < self.i * self.o
+
+    def sq_norms(self) -> torch.Tensor | None:
+        if self.T == 1:
+            return (self.A[:, 0].square().sum(-1) * self.G[:, 0].square().sum(-1)).sum(-1)
+        if not self.gram_is_cheaper():
+            return None
+        a = self.A.transpose(1, 2)  # [N, g, T, i]
+        g = self.G.transpose(1, 2)
+        aa = a @ a.transpose(-1, -2)  # [N, g, T, T]
+        gg = g @ g.transpose(-1, -2)
+        return (aa * gg).sum((1, 2, 3))

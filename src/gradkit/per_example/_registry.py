@@ -1,0 +1,114 @@
+"""The registry of per-layer rules: one decorated function per layer family, looked up along
+the module's MRO (so subclasses of ``nn.Linear`` use the Linear rule, not the slow fallback).
+
+A rule has one fixed signature::
+
+    rule(module, uses, ctx) -> {local_param_name: PerExampleGrad}
+
+``uses`` holds one :class:`Use` per forward call of the module in this backward pass (several
+for weight tying or recurrent use), each with the module's positional inputs and the gradient of
+the loss w.r.t. its output, batch dimension first, *unscaled* (whatever the loss reduction);
+``ctx`` is a :class:`RuleContext`. The rule returns the per-example gradients of the module's
+own parameters (``module.named_parameters(recurse=False)``) that require grad, summed over uses
+per example, in whatever form is cheapest (see :mod:`gradkit.per_example._grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradkit._errors import describe, message
+from gradkit.per_example._grads import PerExampleGrad
+
+__all__ = ["Rule", "RuleContext", "Use", "find_rule", "register_rule", "registered_rules"]
+
+
+@dataclass
+class Use:
+    """One forward call of a module: its inputs and the gradient w.r.t. its output.
+
+    Both have the batch dimension first.
+    """
+
+    inputs: tuple[Any, ...]
+    grad_output: torch.Tensor
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RuleContext:
+    """What the rule may need besides the uses."""
+
+    params: dict[str, torch.Tensor]
+    """The module's own parameters to differentiate, by local name."""
+    gram_norms: bool = True
+    """Whether rules may use Gram-form (pairwise) norms when the cost model prefers them."""
+
+
+Rule = Callable[[nn.Module, list[Use], RuleContext], dict[str, PerExampleGrad]]
+_RULES: dict[type, Rule] = {}
+
+
+def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rule], Rule]:
+    """Register ``rule`` for the given module classes (and, through the MRO, their subclasses).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.per_example import Materialized, register_rule
+        >>> class Scale(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.s = nn.Parameter(torch.ones(()))
+        ...     def forward(self, x):
+        ...         return self.s * x
+        >>> @register_rule(Scale)
+        ... def _scale_rule(module, uses, ctx):
+        ...     x, g = uses[0].inputs[0], uses[0].grad_output
+        ...     return {"s": Materialized((x * g).flatten(1).sum(1))}
+    """
+    if not module_types or not all(isinstance(t, type) for t in module_types):
+        raise TypeError(
+            message(
+                "register_rule(*module_types)",
+                "module_types",
+                "one or more classes",
+                describe(module_types),
+                "pass e.g. register_rule(nn.Linear)",
+            )
+        )
+
+    def decorate(rule: Rule) -> Rule:
+        for t in module_types:
+            if t in _RULES and not overwrite:
+                raise ValueError(
+                    message(
+                        f"register_rule({t.__name__})",
+                        "module_types",
+                        "a class without a rule",
+                        f"{t.__name__} (already has {_RULES[t].__name__})",
+                        "pass overwrite=True to replace it",
+                    )
+                )
+            _RULES[t] = rule
+        return rule
+
+    return decorate
+
+
+def find_rule(module: nn.Module) -> Rule | None:
+    """The rule of the nearest class in ``type(module).__mro__`` that has one, or None."""
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+def registered_rules() -> dict[type, Rule]:
+    """A copy of the registry (class -> rule)."""
+    return dict(_RULES)

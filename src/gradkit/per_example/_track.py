@@ -1,0 +1,543 @@
+"""``track``: statistics of individual gradients inside the usual backward pass.
+
+How it works, once per tracked module (a module with parameters of its own that require grad):
+
+1. A forward hook keeps the module's inputs and installs a tensor hook on its output (tensor
+   hooks see the gradient w.r.t. the output even when an in-place activation follows, where
+   ``register_full_backward_hook`` breaks). It also finds, in the graph the forward just built,
+   the edges through which the gradient reaches each parameter, and hooks them: the sum of the
+   individual gradients of this pass (the mean) is read there, for free and exactly, without
+   any term the loss adds outside the module (a weight-decay term, say).
+2. When the output gradient arrives, the layer's rule (looked up along the MRO) turns inputs and
+   output gradients into per-example gradients in factored or materialized form, and the
+   requested statistics are accumulated. A module used several times in one forward (weight
+   tying, recurrence) is processed once all its uses arrived, so its contributions are summed
+   per example before any power is taken.
+3. At the end of the backward pass (an engine callback) whatever is still pending is processed.
+
+Nothing is set on the model; ``p.grad`` is exactly what it would be without tracking. The hooks
+are removed on exit, also when the body raises; captured activations live in the graph's hook
+closures and are freed with the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradkit._errors import GradkitError, describe, message
+from gradkit._validate import check_choice
+from gradkit.per_example import _dist
+from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
+from gradkit.per_example._registry import RuleContext, Use, find_rule
+from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
+from gradkit.per_example.rules import vmap_rule
+
+__all__ = ["Tracker", "track"]
+
+logger = logging.getLogger(__name__)
+QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
+_DEFAULT_MAX_MEMORY = 256 * 2**20
+
+
+@dataclass
+class _UseRecord:
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    n: int
+    edges: dict[int, list[tuple[Node, int]]]  # pid -> edges into the parameter
+
+
+@dataclass
+class _ModuleState:
+    name: str
+    module: nn.Module
+    rule: Any
+    params: dict[str, torch.Tensor]  # local name -> parameter
+    pids: dict[str, int]  # local name -> id(parameter)
+    shared: bool = False
+    forward_count: int = 0
+    pending: list[tuple[_UseRecord, torch.Tensor]] = field(default_factory=list)
+
+
+def _canonical(t: Any, batch_dim: int) -> Any:
+    if isinstance(t, torch.Tensor) and batch_dim != 0 and t.dim() > batch_dim:
+        return t.movedim(batch_dim, 0)
+    return t
+
+
+def _param_edges(
+    root: Node | None, stops: set[Node], targets: dict[Node, int]
+) -> dict[int, list[tuple[Node, int]]]:
+    """Edges ``(node, k)`` of the graph below ``root`` whose k-th input is a target parameter,
+    not descending past ``stops`` (the graph that existed before the module's forward)."""
+    found: dict[int, list[tuple[Node, int]]] = {}
+    if root is None:
+        return found
+    seen: set[Node] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stops:
+            continue
+        seen.add(node)
+        for k, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if nxt in targets:
+                found.setdefault(targets[nxt], []).append((node, k))
+            else:
+                stack.append(nxt)
+    return found
+
+
+def _will_execute(node: Node) -> bool:
+    check = getattr(torch._C, "_will_engine_execute_node", None)
+    return True if check is None else bool(check(node))
+
+
+class _Sum(PerExampleGrad):
+    """The per-example sum of several :class:`PerExampleGrad` of one parameter (a parameter
+    shared by several modules)."""
+
+    def __init__(self, parts: list[PerExampleGrad]) -> None:
+        self.parts = parts
+        self.num_examples = parts[0].num_examples
+        self.shape = parts[0].shape
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        for blocks in zip(*(p.chunks(size) for p in self.parts), strict=True):
+            yield torch.stack([b.to(blocks[0].dtype) for b in blocks]).sum(0)
+
+
+class Tracker(Mapping[str, ParamStats]):
+    """The statistics of one ``track`` block: a mapping from parameter name to
+    :class:`ParamStats`, plus totals over parameters. Created by :func:`track`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        quantities: Sequence[str],
+        *,
+        moments: Sequence[int],
+        loss_reduction: str,
+        batch_dim: int,
+        fallback: str,
+        unbiased: bool,
+        max_memory: int,
+        chunk_size: int | None,
+    ) -> None:
+        call = "per_example.track(model, ...)"
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                message(
+                    call,
+                    "model",
+                    "a torch.nn.Module",
+                    describe(model),
+                    "pass the model whose parameters to track",
+                )
+            )
+        for q in quantities:
+            check_choice(q, QUANTITIES, call, "quantities")
+        for p in moments:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+                raise ValueError(
+                    message(
+                        call,
+                        "moments",
+                        "positive integers",
+                        repr(moments),
+                        "pass e.g. moments=(3, 4)",
+                    )
+                )
+        if not quantities and not moments:
+            raise ValueError(
+                message(
+                    call,
+                    "quantities",
+                    "at least one of "
+                    + ", ".join(repr(q) for q in QUANTITIES)
+                    + " or moments=(p, ...)",
+                    "nothing",
+                    "name what to compute, e.g. track(model, 'variance')",
+                )
+            )
+        self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
+        check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(
+                message(
+                    call,
+                    "batch_dim",
+                    "a non-negative int",
+                    repr(batch_dim),
+                    "pass the index of the batch dimension",
+                )
+            )
+        self._want = Want(frozenset(quantities), tuple(sorted(set(moments))))
+        self._batch_dim = batch_dim
+        self._unbiased = unbiased
+        self._max_memory = max_memory
+        self._chunk_size = chunk_size
+        self._model = model
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._params = {id(p): p for p in model.parameters()}
+        self._accs: dict[int, _Acc] = {}
+        self._states: list[_ModuleState] = []
+        owners: dict[int, int] = {}
+        for name, module in model.named_modules():
+            own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            if not own:
+                continue
+            rule = find_rule(module)
+            if rule is None:
+                if fallback == "error":
+                    raise GradkitError(
+                        message(
+                            call,
+                            "fallback",
+                            "a rule for every tracked module",
+                            f"none for {name or 'model'} ({type(module).__name__})",
+                            "register one with "
+                            "@gradkit.per_example.register_rule, or pass "
+                            "fallback='vmap'",
+                        )
+                    )
+                if fallback == "warn":
+                    warnings.warn(
+                        f"per_example.track: no rule for {name or 'model'} "
+                        f"({type(module).__name__}); using the vmap fallback "
+                        "(exact, slower, needs a deterministic forward)",
+                        stacklevel=3,
+                    )
+                rule = vmap_rule
+            pids = {n: id(p) for n, p in own.items()}
+            self._states.append(_ModuleState(name, module, rule, own, pids))
+            for pid in pids.values():
+                owners[pid] = owners.get(pid, 0) + 1
+                param = self._params[pid]
+                self._accs.setdefault(pid, _Acc(param.shape, acc_dtype(param.dtype)))
+        for st in self._states:
+            st.shared = any(owners[pid] > 1 for pid in st.pids.values())
+        self._handles: list[Any] = []
+        self._active = False
+        self._callback_queued = False
+        self._in_rule = False
+        self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> Tracker:
+        if self._active:
+            raise GradkitError("per_example.track: this tracker is already active")
+        self._active = True
+        try:
+            for st in self._states:
+                self._handles.append(
+                    st.module.register_forward_hook(self._forward_hook(st), with_kwargs=True)
+                )
+            for module in self._model.modules():
+                if isinstance(module, _BatchNorm):
+                    self._handles.append(module.register_forward_pre_hook(_refuse_batchnorm))
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        for st in self._states:
+            st.pending.clear()
+            st.forward_count = 0
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def _forward_hook(self, st: _ModuleState) -> Any:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            if not isinstance(output, torch.Tensor):
+                raise GradkitError(
+                    f"per_example.track: module {st.name or 'model'} "
+                    f"({type(module).__name__}) returned {describe(output)}; "
+                    "only modules returning one tensor can be tracked"
+                )
+            if self._in_rule or not output.requires_grad:
+                return  # a rule re-running the forward (vmap fallback), or no backward coming
+            bd = self._batch_dim
+            inputs = tuple(
+                _canonical(a.detach() if isinstance(a, torch.Tensor) else a, bd) for a in args
+            )
+            out = _canonical(output, bd)
+            n = out.shape[0] if out.dim() > 0 else 0
+            stops = {
+                a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None
+            }
+            targets = {}
+            for local, p in st.params.items():
+                if p.is_leaf:
+                    targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
+            edges = _param_edges(output.grad_fn, stops, targets)
+            record = _UseRecord(inputs, kwargs, n, edges)
+            st.forward_count += 1
+            output.register_hook(lambda g: self._on_output_grad(st, record, g))
+            if self._want.mean:
+                by_node: dict[Node, list[tuple[int, int]]] = {}
+                for pid, es in edges.items():
+                    for node, k in es:
+                        by_node.setdefault(node, []).append((k, pid))
+                for node, ks in by_node.items():
+                    node.register_hook(self._edge_hook(record, ks))
+
+        return hook
+
+    def _scale(self, n: int) -> float:
+        return float(n) if self._loss_reduction == "mean" else 1.0
+
+    def _edge_hook(self, record: _UseRecord, ks: list[tuple[int, int]]) -> Any:
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> None:
+            if not self._active:
+                return
+            for k, pid in ks:
+                g = grad_inputs[k]
+                if g is not None:
+                    self._accs[pid].add_sum(1, g.detach() * self._scale(record.n))
+
+        return hook
+
+    def _on_output_grad(self, st: _ModuleState, record: _UseRecord, grad: torch.Tensor) -> None:
+        if not self._active:
+            return
+        st.pending.append((record, _canonical(grad.detach(), self._batch_dim)))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not st.shared and len(st.pending) == st.forward_count:
+            self._process(st)
+
+    # -- processing ----------------------------------------------------------------------------
+
+    def _process(self, st: _ModuleState) -> None:
+        pending, st.pending = st.pending, []
+        ns = {r.n for r, _ in pending}
+        if len(ns) != 1:
+            raise GradkitError(
+                f"per_example.track: module {st.name or 'model'} was called on "
+                f"batches of sizes {sorted(ns)} before one backward; all calls "
+                "between two backward passes are taken as uses on the same "
+                "examples (weight tying): run backward after each micro-batch"
+            )
+        n = ns.pop()
+        uses = [Use(r.inputs, g, r.kwargs) for r, g in pending]
+        self._in_rule = True
+        try:
+            pes = st.rule(st.module, uses, RuleContext(st.params))
+        finally:
+            self._in_rule = False
+        for local, p in st.params.items():
+            pid = st.pids[local]
+            pe = pes.get(local)
+            if pe is None:
+                raise GradkitError(
+                    f"per_example.track: the rule {st.rule.__name__} gave no "
+                    f"per-example gradient for {self._names[pid]}"
+                )
+            if pe.num_examples != n or tuple(pe.shape) != tuple(p.shape):
+                raise GradkitError(
+                    f"per_example.track: the rule {st.rule.__name__} gave "
+                    f"{pe.num_examples} x {tuple(pe.shape)} for "
+                    f"{self._names[pid]}, expected {n} x {tuple(p.shape)}"
+                )
+            mean_given = all(
+                pid in r.edges and all(_will_execute(node) for node, _ in r.edges[pid])
+                for r, _ in pending
+            )
+            if st.shared:
+                self._deferred.setdefault(pid, []).append((pe, mean_given, self._scale(n)))
+            else:
+                self._accumulate(pid, pe, mean_given, self._scale(n))
+
+    def _accumulate(self, pid: int, pe: PerExampleGrad, mean_given: bool, scale: float) -> None:
+        acc = self._accs[pid]
+        if self._chunk_size is not None:
+            chunk = self._chunk_size
+        else:
+            per_example = max(1, pe.shape.numel()) * 4 * 4  # block, cast, power, temporaries
+            chunk = max(1, self._max_memory // per_example)
+        accumulate(acc, pe, scale, self._want, mean_given=mean_given, chunk_size=chunk)
+
+    def _finalize(self) -> None:
+        self._callback_queued = False
+        if not self._active:
+            return
+        for st in self._states:
+            if st.pending:
+                self._process(st)
+            st.forward_count = 0
+        deferred, self._deferred = self._deferred, {}
+        for pid, parts in deferred.items():
+            pe = parts[0][0] if len(parts) == 1 else _combine([p for p, _, _ in parts])
+            given = all(g for _, g, _ in parts)
+            self._accumulate(pid, pe, given, parts[0][2])
+
+    # -- results -------------------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> ParamStats:
+        for pid, n in self._names.items():
+            if n == name and pid in self._accs:
+                return ParamStats(name, self._accs[pid], self._want, self._unbiased)
+        tracked = [self._names[pid] for pid in self._accs]
+        raise KeyError(f"per_example.track: no tracked parameter {name!r}; tracked: {tracked}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([self._names[pid] for pid in self._accs])
+
+    def __len__(self) -> int:
+        return len(self._accs)
+
+    @property
+    def num_examples(self) -> int:
+        """Examples seen (the same for every parameter in a plain model)."""
+        counts = {acc.n for acc in self._accs.values()}
+        return max(counts) if counts else 0
+
+    def batch_l2(self) -> torch.Tensor:
+        """``[N]``: ``||g_i||**2`` summed over all tracked parameters."""
+        parts = [self[name].batch_l2 for name in self]
+        sizes = {p.shape[0] for p in parts}
+        if len(sizes) != 1:
+            raise GradkitError(
+                "per_example.track: batch_l2(): parameters saw different numbers "
+                f"of examples {sorted(sizes)}; read stats[name].batch_l2 instead"
+            )
+        return torch.stack(
+            [p.to(torch.float64 if p.dtype == torch.float64 else torch.float32) for p in parts]
+        ).sum(0)
+
+    def all_reduce(self, group: Any = None) -> None:
+        """Merge the statistics of every rank of ``group`` (torch.distributed), in place.
+
+        Sums are all-reduced; ``batch_l2`` and ``batch_grad`` are gathered in rank order.
+        Every rank must call it, with the same tracked parameters and quantities.
+        """
+        _dist.all_reduce_accs(list(self._accs.values()), self._want, group)
+
+    def summary(self) -> str:
+        """A per-parameter table: ``|mean|``, ``tr(var)``, gradient SNR and noise scale."""
+        from gradkit.per_example._derived import summary_table
+
+        return summary_table(self)
+
+
+def _combine(parts: list[PerExampleGrad]) -> PerExampleGrad:
+    if all(isinstance(p, OuterProduct) for p in parts):
+        ops = [p for p in parts if isinstance(p, OuterProduct)]
+        first = ops[0]
+        if all(o.groups == first.groups and o.i == first.i and o.o == first.o for o in ops):
+            return OuterProduct(
+                torch.cat([o.A for o in ops], 1), torch.cat([o.G for o in ops], 1), first.shape
+            )
+    mats = [p for p in parts if isinstance(p, Materialized)]
+    if len(mats) == len(parts):
+        return Materialized(torch.stack([m.grads for m in mats]).sum(0))
+    return _Sum(parts)
+
+
+def _refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
+    if module.training:
+        raise GradkitError(
+            f"per_example.track: {type(module).__name__} in training mode normalizes with "
+            "statistics of the whole batch, so each example's loss depends on every other "
+            "example and individual gradients are not defined; call model.eval() on it (running "
+            "statistics), or use GroupNorm/LayerNorm"
+        )
+
+
+def track(
+    model: nn.Module,
+    *quantities: str,
+    moments: Sequence[int] = (),
+    loss_reduction: str = "mean",
+    batch_dim: int = 0,
+    fallback: str = "vmap",
+    unbiased: bool = False,
+    max_memory: int = _DEFAULT_MAX_MEMORY,
+    chunk_size: int | None = None,
+) -> Tracker:
+    r"""Track statistics of the individual gradients of ``model``'s parameters.
+
+    Use it as a context manager around forward and backward passes. For per-example losses
+    ``l_i`` and individual gradients ``g_i = d l_i / d theta`` (whatever the loss reduction):
+
+    .. math:: \text{mean} = \tfrac1N \sum_i g_i,\quad
+              \text{moment}(p) = \tfrac1N \sum_i g_i^p,\quad
+              \text{variance} = \tfrac1N \sum_i g_i^2 - \text{mean}^2,\quad
+              \text{batch\_l2}_i = \lVert g_i \rVert^2
+
+    Args:
+        model: the model; every module with parameters of its own that require grad is
+            tracked (frozen parameters are skipped).
+        *quantities: any of ``"mean"``, ``"second_moment"``, ``"variance"``, ``"batch_l2"``,
+            ``"batch_grad"``. Only what is asked is computed.
+        moments: further powers ``p`` for ``stats[name].moment(p)``.
+        loss_reduction: how the loss of each backward combined the ``l_i``: ``"mean"`` over the
+            examples of that backward, or ``"sum"``.
+        batch_dim: the batch dimension of inputs and outputs.
+        fallback: for modules without a rule: ``"vmap"`` (exact, per-module vmap of a
+            vector-Jacobian product), ``"warn"`` (the same, with a warning), ``"error"``.
+        unbiased: ``variance`` scaled by ``N/(N-1)``.
+        max_memory: bytes a materialized block of per-example gradients may take.
+        chunk_size: examples per materialized block (overrides ``max_memory``).
+
+    Returns:
+        A :class:`Tracker`; ``stats[name]`` gives :class:`ParamStats`.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import gradkit
+        >>> model = nn.Linear(3, 2)
+        >>> x, y = torch.randn(8, 3), torch.randn(8, 2)
+        >>> with gradkit.per_example.track(model, "variance", "batch_l2") as stats:
+        ...     nn.functional.mse_loss(model(x), y).backward()
+        >>> stats["weight"].variance.shape, stats.batch_l2().shape, stats.num_examples
+        (torch.Size([2, 3]), torch.Size([8]), 8)
+
+    Warning:
+        ``loss_reduction`` must say what the loss did: a ``"mean"`` loss declared as ``"sum"``
+        gives statistics of ``g_i / N``. All forward calls of a module between two backward
+        passes are taken as uses on the same examples (weight tying): run backward after each
+        micro-batch's forward.
+    """
+    return Tracker(
+        model,
+        quantities,
+        moments=moments,
+        loss_reduction=loss_reduction,
+        batch_dim=batch_dim,
+        fallback=fallback,
+        unbiased=unbiased,
+        max_memory=max_memory,
+        chunk_size=chunk_size,
+    )

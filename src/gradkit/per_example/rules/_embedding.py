@@ -1,0 +1,64 @@
+"""``nn.Embedding``: per-example gradients without a ``[N, V, d]`` tensor.
+
+Example ``n`` looks up rows ``idx[n, t]``; its gradient is ``g_n[v] = sum_{t: idx[n,t]=v} G[n, t]``
+(repeated indices within one example are summed before any power; ``padding_idx`` rows get no
+gradient, as in PyTorch). The nonzero rows of all examples are formed once by an index-add over
+unique ``(n, v)`` pairs; powers and norms then cost ``O(#pairs * d)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._registry import RuleContext, Use, register_rule
+from gradkit.per_example._stats import acc_dtype
+
+
+class EmbeddingGrad(PerExampleGrad):
+    """Per-example embedding gradients as sparse rows ``(example, row, value)``."""
+
+    def __init__(self, idx: torch.Tensor, grads: torch.Tensor, num_rows: int) -> None:
+        n, _, d = grads.shape
+        self.num_examples, self.shape = n, torch.Size((num_rows, d))
+        keys = idx + torch.arange(n, device=idx.device)[:, None] * num_rows  # [N, T]
+        uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
+        self.rows = grads.new_zeros(uniq.numel(), d).index_add_(0, inverse, grads.reshape(-1, d))
+        self.example = uniq // num_rows
+        self.row = uniq % num_rows
+
+    def power_sum(self, p: int) -> torch.Tensor:
+        vals = self.rows if p == 1 else self.rows.pow(p)
+        return vals.new_zeros(self.shape).index_add_(0, self.row, vals)
+
+    def sq_norms(self) -> torch.Tensor:
+        return self.rows.new_zeros(self.num_examples).index_add_(
+            0, self.example, self.rows.square().sum(1)
+        )
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        for start in range(0, self.num_examples, size):
+            stop = min(start + size, self.num_examples)
+            sel = (self.example >= start) & (self.example < stop)
+            block = self.rows.new_zeros(stop - start, *self.shape)
+            block[self.example[sel] - start, self.row[sel]] = self.rows[sel]
+            yield block
+
+
+@register_rule(nn.Embedding)
+def embedding_rule(
+    module: nn.Module, uses: list[Use], ctx: RuleContext
+) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``nn.Embedding`` (see the module docstring)."""
+    assert isinstance(module, nn.Embedding)
+    n = uses[0].grad_output.shape[0]
+    d = module.embedding_dim
+    idx = torch.cat([u.inputs[0].reshape(n, -1) for u in uses], 1)
+    g = torch.cat([u.grad_output.reshape(n, -1, d) for u in uses], 1)
+    g = g.to(acc_dtype(g.dtype))
+    if module.padding_idx is not None:
+        g = g.masked_fill((idx == module.padding_idx)[..., None], 0.0)
+    return {"weight": EmbeddingGrad(idx, g, module.num_embeddings)}

@@ -1,0 +1,32 @@
+"""``nn.Linear`` on any number of leading dimensions.
+
+``z[n, ..., o] = sum_i W[o, i] a[n, ..., i] + b[o]``. Positions (the ``...`` dims, and the uses
+of a shared layer) are flattened into ``t``: ``g_n(W) = sum_t G[n, t]^T a[n, t]`` (an
+:class:`OuterProduct`, closed forms when ``T == 1``), ``g_n(b) = sum_t G[n, t]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
+from gradkit.per_example._registry import RuleContext, Use, register_rule
+from gradkit.per_example._stats import acc_dtype
+
+
+@register_rule(nn.Linear)
+def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``nn.Linear`` (see the module docstring)."""
+    n = uses[0].grad_output.shape[0]
+    d_in = uses[0].inputs[0].shape[-1]
+    d_out = uses[0].grad_output.shape[-1]
+    dtype = acc_dtype(uses[0].grad_output.dtype)
+    a = torch.cat([u.inputs[0].reshape(n, -1, d_in) for u in uses], 1).to(dtype)
+    g = torch.cat([u.grad_output.reshape(n, -1, d_out) for u in uses], 1).to(dtype)
+    out: dict[str, PerExampleGrad] = {}
+    if "weight" in ctx.params:
+        out["weight"] = OuterProduct(a[:, :, None], g[:, :, None], ctx.params["weight"].shape)
+    if "bias" in ctx.params:
+        out["bias"] = Materialized(g.sum(1))
+    return out

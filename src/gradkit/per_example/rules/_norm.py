@@ -1,0 +1,86 @@
+"""Affine parameters of ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm``.
+
+With ``xhat`` the normalized input (recomputed without the affine part),
+``y = weight * xhat + bias`` gives ``g_n(weight) = sum_{positions} G_n * xhat_n`` and
+``g_n(bias) = sum_{positions} G_n``, summed over the positions that share a parameter entry.
+(InstanceNorm and BatchNorm in eval mode go through the vmap fallback; BatchNorm in training
+mode is refused: it mixes examples.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradkit.per_example._grads import Materialized, PerExampleGrad
+from gradkit.per_example._registry import RuleContext, Use, register_rule
+from gradkit.per_example._stats import acc_dtype
+
+
+def _affine(
+    xhats: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    ctx: RuleContext,
+    reduce_dims: tuple[int, ...],
+    shape: torch.Size,
+) -> dict[str, PerExampleGrad]:
+    n = grads[0].shape[0]
+    out: dict[str, PerExampleGrad] = {}
+    if "weight" in ctx.params:
+        w = sum(
+            ((g * x).sum(reduce_dims) for g, x in zip(grads, xhats, strict=True)),
+            torch.zeros((), dtype=grads[0].dtype),
+        )
+        out["weight"] = Materialized(torch.as_tensor(w).reshape(n, *shape))
+    if "bias" in ctx.params:
+        b = sum((g.sum(reduce_dims) for g in grads), torch.zeros((), dtype=grads[0].dtype))
+        out["bias"] = Materialized(torch.as_tensor(b).reshape(n, *shape))
+    return out
+
+
+def _prep(uses: list[Use]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    dtype = acc_dtype(uses[0].grad_output.dtype)
+    xs = [u.inputs[0].to(dtype) for u in uses]
+    gs = [u.grad_output.to(dtype) for u in uses]
+    return xs, gs
+
+
+@register_rule(nn.LayerNorm)
+def layer_norm_rule(
+    module: nn.Module, uses: list[Use], ctx: RuleContext
+) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``nn.LayerNorm``'s affine parameters."""
+    assert isinstance(module, nn.LayerNorm)
+    xs, gs = _prep(uses)
+    shape = torch.Size(module.normalized_shape)
+    xhats = [F.layer_norm(x, shape, None, None, module.eps) for x in xs]
+    lead = tuple(range(1, xs[0].dim() - len(shape)))
+    return _affine(xhats, gs, ctx, lead, shape)
+
+
+if hasattr(nn, "RMSNorm"):
+
+    @register_rule(nn.RMSNorm)
+    def rms_norm_rule(
+        module: nn.Module, uses: list[Use], ctx: RuleContext
+    ) -> dict[str, PerExampleGrad]:
+        """Per-example gradients of ``nn.RMSNorm``'s weight."""
+        xs, gs = _prep(uses)
+        assert isinstance(module, nn.RMSNorm)
+        shape = torch.Size(module.normalized_shape)
+        xhats = [F.rms_norm(x, shape, None, module.eps) for x in xs]
+        lead = tuple(range(1, xs[0].dim() - len(shape)))
+        return _affine(xhats, gs, ctx, lead, shape)
+
+
+@register_rule(nn.GroupNorm)
+def group_norm_rule(
+    module: nn.Module, uses: list[Use], ctx: RuleContext
+) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``nn.GroupNorm``'s affine parameters ``[C]``."""
+    assert isinstance(module, nn.GroupNorm)
+    xs, gs = _prep(uses)
+    xhats = [F.group_norm(x, module.num_groups, None, None, module.eps) for x in xs]
+    spatial = tuple(range(2, xs[0].dim()))
+    return _affine(xhats, gs, ctx, spatial, torch.Size((module.num_channels,)))
