@@ -1,8 +1,260 @@
-"""``gradkit`` entry point (placeholder until the CLI lands)."""
+"""``gradkit`` entry point: the argument parser and the dispatch to the commands.
+
+Commands: ``demo`` (train a small CNN on the bundled digits, write a report), ``info``
+(versions, device, optional peers), ``bench`` (gradkit against its peers; every argument after
+``bench`` goes to the benchmark runner), ``hyperclean`` (data hyper-cleaning, arrives with
+:mod:`gradkit.hyper`). Heavy or optional imports happen inside the commands, so ``--help``,
+``--version`` and ``info`` work on a bare install.
+
+Exit status: 0 on success, 2 for bad command-line input (argparse's convention) or a command
+that cannot run here (missing optional dependencies, a feature not built yet), 1 when a
+command fails while running.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from gradkit._version import __version__
+
+__all__ = ["build_parser", "main"]
+
+_DEMO_DEPS = (("matplotlib", "matplotlib"), ("rich", "rich"), ("sklearn", "scikit-learn"))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected a seed in [0, 2**32), got {text!r}")
+    return value
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``gradkit`` parser and its subcommand parsers by name."""
+    parser = argparse.ArgumentParser(
+        prog="gradkit",
+        description="gradkit: gradients beyond loss.backward() (Jacobians, Hessians, "
+        "per-example statistics, exact accumulation, hypergradients).",
+    )
+    parser.add_argument("--version", action="version", version=f"gradkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands: dict[str, argparse.ArgumentParser] = {}
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small CNN on the bundled digits and write a report",
+        description="Train a small CNN on scikit-learn's bundled digits (no download), then "
+        "write <OUT>/<timestamp>/report.md with plots, a differentiation "
+        "showcase (input Jacobian, Hessian eigenvalue, HVP cost) and metrics.json.",
+    )
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 epochs on small subsets (a smoke run of a few seconds)",
+    )
+    demo.add_argument(
+        "--epochs",
+        type=_positive_int,
+        metavar="N",
+        help="training epochs (default: 6, or 2 with --quick)",
+    )
+    demo.add_argument(
+        "--out",
+        default="runs",
+        metavar="DIR",
+        help="folder for run outputs; each run gets DIR/<timestamp>/ (default: runs)",
+    )
+    demo.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        metavar="S",
+        help="seed for the split, initialization and batch order (default: 0)",
+    )
+    demo.add_argument(
+        "--threads",
+        type=_positive_int,
+        metavar="T",
+        default=1,
+        help="torch CPU threads for the run (default: 1, the fastest for this small model, "
+        "and much the fastest when other processes share the cores)",
+    )
+    demo.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is also off when stderr is not a terminal)",
+    )
+    commands["demo"] = demo
+
+    commands["info"] = sub.add_parser(
+        "info",
+        help="versions, device, threads and installed optional peers",
+        description="Print gradkit/torch/numpy/python versions, the device, torch's thread "
+        "count and which optional peers are installed (paste it in bug reports).",
+    )
+
+    commands["bench"] = sub.add_parser(
+        "bench",
+        usage="%(prog)s [-h] [ARGS ...]",
+        help="gradkit against its peers, side by side",
+        description="Run the benchmarks (gradkit against BackPACK, Opacus, higher, torchopt "
+        "and torch.func). Every argument after 'bench' is passed to the "
+        "benchmark runner; 'gradkit bench -- --help' shows the runner's options.",
+        epilog="Needs the bench extra: pip install 'gradkit[bench]'.",
+        allow_abbrev=False,
+    )
+
+    commands["hyperclean"] = sub.add_parser(
+        "hyperclean",
+        help="data hyper-cleaning on digits (arrives with gradkit.hyper)",
+        description="Data hyper-cleaning (Franceschi et al. 2017): learn per-example weights "
+        "that down-weight corrupted labels, by hypergradients. Not available yet: "
+        "it arrives with gradkit.hyper.",
+    )
+    return parser, commands
+
+
+def _missing(deps: Sequence[tuple[str, str]]) -> list[str]:
+    return [dist for module, dist in deps if importlib.util.find_spec(module) is None]
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from gradkit.cli._info import run_info
+
+    return run_info()
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    missing = _missing(_DEMO_DEPS)
+    if missing:
+        print(
+            f"gradkit demo: needs {', '.join(missing)}; install the demo extra: "
+            "pip install 'gradkit[demo]'",
+            file=sys.stderr,
+        )
+        return 2
+    from gradkit.cli._console import print_summary
+    from gradkit.cli._demo import DemoConfig, run_demo
+
+    config = DemoConfig.from_args(
+        out=args.out,
+        quick=args.quick,
+        epochs=args.epochs,
+        seed=args.seed,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    start = time.perf_counter()
+    report = run_demo(config)
+    print_summary(report, time.perf_counter() - start)
+    return 0
+
+
+_NO_RUNNER = "gradkit bench: the benchmark runner (gradkit._bench) is not part of this installation"
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    rest = list(args.rest)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    try:
+        module = importlib.import_module("gradkit._bench")
+    except ModuleNotFoundError as err:
+        if err.name in ("gradkit._bench", "gradkit"):
+            print(_NO_RUNNER, file=sys.stderr)
+        else:
+            print(
+                f"gradkit bench: needs {err.name!r}; install the bench extra: "
+                "pip install 'gradkit[bench]'",
+                file=sys.stderr,
+            )
+        return 2
+    runner = getattr(module, "main", None)
+    if not callable(runner):  # e.g. a folder without the runner's __init__.py
+        print(_NO_RUNNER + " (gradkit._bench has no main)", file=sys.stderr)
+        return 2
+    return int(cast(Callable[[list[str]], int], runner)(rest))
+
+
+def _cmd_hyperclean(args: argparse.Namespace) -> int:
+    print(
+        "gradkit hyperclean: not available yet; it arrives with gradkit.hyper (hypergradients).",
+        file=sys.stderr,
+    )
+    return 2
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": _cmd_demo,
+    "info": _cmd_info,
+    "bench": _cmd_bench,
+    "hyperclean": _cmd_hyperclean,
+}
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the gradkit command line."""
-    return 0
+    """Run the ``gradkit`` command line; returns the exit status.
+
+    ``--help`` and ``--version`` exit through ``SystemExit(0)`` and bad arguments through
+    ``SystemExit(2)``, as argparse does.
+
+    Examples:
+        >>> main(["hyperclean"])
+        2
+    """
+    parser, commands = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command is None:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        parser.print_help(sys.stderr)
+        return 2
+    if rest and args.command != "bench":
+        commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    if args.command == "demo":
+        problem = _out_problem(args.out)
+        if problem:
+            commands["demo"].error(f"argument --out: {problem}")
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"gradkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, FloatingPointError) as err:
+        print(f"gradkit {args.command}: {err}", file=sys.stderr)
+        return 1
+
+
+def _out_problem(out: str) -> str | None:
+    """Why ``out`` cannot hold run folders (None if it can, or can be created)."""
+    from pathlib import Path
+
+    if not out.strip():
+        return "expected a folder path, got an empty string"
+    path = Path(out)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                return f"expected a folder, but {str(candidate)!r} is a file"
+            return None
+    return None

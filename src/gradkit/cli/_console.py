@@ -1,0 +1,137 @@
+"""Terminal output of the CLI: the training progress bar and the demo's summary table (rich).
+
+The progress bar is shown only when asked for *and* stderr is an interactive terminal (not a
+pipe, a file, a CI log or ``TERM=dumb``); ``FORCE_COLOR`` alone does not turn it on, so CI logs
+stay free of redraws. Without a bar the training callback does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+from gradkit.cli._report import Report
+
+__all__ = ["interactive", "print_summary", "training_progress"]
+
+StepCallback = Callable[[int, float], None]
+
+
+def interactive(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal that can redraw a progress bar.
+
+    Examples:
+        >>> import io
+        >>> interactive(io.StringIO())
+        False
+    """
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
+    return bool(tty) and os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
+
+
+@contextmanager
+def training_progress(
+    total_steps: int, *, enabled: bool, console: Any = None
+) -> Iterator[StepCallback]:
+    """A rich progress bar over training steps; yields the ``on_step(step, loss)`` callback.
+
+    Args:
+        total_steps: steps in the whole run.
+        enabled: the user's choice (``--no-progress`` gives False).
+        console: a ``rich.console.Console``; default one on stderr.
+    """
+    stream = console.file if console is not None else sys.stderr
+    if not (enabled and interactive(stream)):
+        yield lambda step, loss: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console if console is not None else Console(stderr=True),
+        transient=False,
+    )
+    with progress:
+        task = progress.add_task("training", total=total_steps, loss="-")
+
+        def on_step(step: int, loss: float) -> None:
+            progress.update(task, completed=step, loss=f"{loss:.4f}")
+
+        yield on_step
+
+
+def _get(metrics: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(metrics, dict) or key not in metrics:
+            return None
+        metrics = metrics[key]
+    return metrics
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary_rows(report: Report, wall_seconds: float) -> list[tuple[str, str]]:
+    """The (quantity, value) rows of the demo summary, read from the report's metrics."""
+    m = report.metrics
+    shape = _get(m, "differentiation_showcase", "jacobian", "shape")
+    mode = _get(m, "differentiation_showcase", "jacobian", "auto_mode")
+    return [
+        (
+            "train / test examples",
+            f"{_get(m, 'setup', 'train_examples')} / {_get(m, 'setup', 'test_examples')}",
+        ),
+        ("epochs", str(len(_get(m, "training", "epochs") or []))),
+        ("final train loss", _fmt(_get(m, "training", "final", "train_loss"), ".4f")),
+        ("final test loss", _fmt(_get(m, "training", "final", "test_loss"), ".4f")),
+        ("final test accuracy", _fmt(_get(m, "training", "final", "test_accuracy"), ".3f")),
+        ("input Jacobian", f"{shape}, mode=auto picked {mode}"),
+        (
+            "Hessian top eigenvalue",
+            _fmt(_get(m, "differentiation_showcase", "hessian", "top_eigenvalue"), ".4g"),
+        ),
+        (
+            "gradient norm",
+            _fmt(_get(m, "differentiation_showcase", "hessian", "gradient_norm"), ".4g"),
+        ),
+        (
+            "one HVP / one gradient",
+            _fmt(_get(m, "differentiation_showcase", "hvp_cost", "hvp_over_gradient"), ".2f") + "x",
+        ),
+        ("wall time", f"{wall_seconds:.1f} s"),
+    ]
+
+
+def print_summary(report: Report, wall_seconds: float, *, stream: TextIO | None = None) -> None:
+    """Print the summary table, then the report's path on a line of its own."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = stream or sys.stdout
+    table = Table(title="gradkit demo", show_header=True, header_style="bold")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name, value in summary_rows(report, wall_seconds):
+        table.add_row(name, value)
+    Console(file=out).print(table)
+    print(f"report: {report.directory / 'report.md'}", file=out)

@@ -1,0 +1,283 @@
+"""``gradkit demo``: train a small CNN on the bundled digits and write a report about it.
+
+The run is a list of section functions (:data:`SECTIONS`), each ``(ctx, report) -> None``:
+it reads the trained model and data from the :class:`DemoContext` and adds one section to the
+:class:`~gradkit.cli._report.Report`. A new feature shows itself in the demo by appending its
+own section function; nothing else changes.
+
+Output: ``<out>/<timestamp>/report.md`` with PNG figures and ``metrics.json``, written only
+inside that folder. Progress (rich) goes to stderr and only to a terminal; the summary table
+goes to stdout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradkit import __version__
+from gradkit.cli._report import Plot, Report
+from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
+from gradkit.cli._train import Digits, TrainResult, load_digits, make_model, train
+
+__all__ = ["SECTIONS", "DemoConfig", "DemoContext", "Section", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """The demo's settings; :meth:`from_args` fills quick-mode defaults."""
+
+    out: str = "runs"
+    quick: bool = False
+    epochs: int = 6
+    seed: int = 0
+    threads: int | None = None
+    progress: bool = True
+    batch_size: int = 32
+    lr: float = 1e-2
+    max_train: int | None = None
+    max_test: int | None = None
+    hessian_batch: int = 512
+    power_steps: int = 30
+    timing_repeats: int = 20
+
+    @classmethod
+    def from_args(
+        cls,
+        *,
+        out: str,
+        quick: bool,
+        epochs: int | None,
+        seed: int,
+        threads: int | None,
+        progress: bool,
+    ) -> DemoConfig:
+        """Settings from the command line; ``--quick`` trains 2 epochs on 640 examples."""
+        if quick:
+            return cls(
+                out=out,
+                quick=True,
+                epochs=epochs or 2,
+                seed=seed,
+                threads=threads,
+                progress=progress,
+                max_train=640,
+                max_test=300,
+                hessian_batch=256,
+                power_steps=12,
+                timing_repeats=5,
+            )
+        return cls(
+            out=out, epochs=epochs or cls.epochs, seed=seed, threads=threads, progress=progress
+        )
+
+
+@dataclass
+class DemoContext:
+    """What the sections read: settings, data, the trained model and its history.
+
+    ``extras`` is for sections that share results with later ones (e.g. statistics gathered
+    during training); keys are the producing section's name.
+    """
+
+    config: DemoConfig
+    data: Digits
+    model: nn.Module
+    result: TrainResult
+    generator: torch.Generator
+    train_seconds: float
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+Section = Callable[[DemoContext, Report], None]
+
+
+def setup_section(ctx: DemoContext, report: Report) -> None:
+    """Data, model and optimizer settings."""
+    n_train, n_test = ctx.data.sizes
+    n_params = sum(p.numel() for p in ctx.model.parameters())
+    cfg = ctx.config
+    layers = " → ".join(type(m).__name__ for m in ctx.model.children())
+    subsets = " (quick-mode subsets)" if cfg.quick else ""
+    markdown = f"""scikit-learn's bundled digits: 8x8 grey images of ten classes, no download.
+
+| setting | value |
+|---|---|
+| data | {n_train} training / {n_test} test examples{subsets}, stratified split, seed {cfg.seed} |
+| model | {layers}, {n_params:,} parameters |
+| optimizer | Adam, learning rate {cfg.lr} (cosine decay), batch {cfg.batch_size} |
+| epochs | {cfg.epochs} |
+| torch threads | {torch.get_num_threads()} |
+"""
+    report.add_section(
+        "Setup",
+        markdown,
+        metrics={
+            "train_examples": n_train,
+            "test_examples": n_test,
+            "parameters": n_params,
+            "config": asdict(cfg),
+            "threads": torch.get_num_threads(),
+        },
+    )
+
+
+def _curves_figure(result: TrainResult) -> Any:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(9.0, 3.4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    steps = [(i + 1) / result.steps_per_epoch for i in range(len(result.step_losses))]
+    epochs = [e.epoch for e in result.epochs]
+    ax_loss.plot(steps, result.step_losses, lw=0.8, alpha=0.6, label="train (per step)")
+    ax_loss.plot(epochs, [e.train_loss for e in result.epochs], "o-", label="train (epoch)")
+    ax_loss.plot(epochs, [e.test_loss for e in result.epochs], "s-", label="test")
+    ax_loss.set_xlabel("epoch")
+    ax_loss.set_ylabel("cross-entropy")
+    ax_loss.set_yscale("log")
+    ax_acc.plot(epochs, [e.train_accuracy for e in result.epochs], "o-", label="train")
+    ax_acc.plot(epochs, [e.test_accuracy for e in result.epochs], "s-", label="test")
+    ax_acc.set_xlabel("epoch")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.set_ylim(0.0, 1.02)
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def training_section(ctx: DemoContext, report: Report) -> None:
+    """Per-epoch table and loss/accuracy curves."""
+    rows = "\n".join(
+        f"| {e.epoch} | {e.train_loss:.4f} | {e.train_accuracy:.3f} | "
+        f"{e.test_loss:.4f} | {e.test_accuracy:.3f} | {e.seconds:.2f} |"
+        for e in ctx.result.epochs
+    )
+    final = ctx.result.final
+    steps = len(ctx.result.step_losses)
+    markdown = f"""Final test accuracy **{final.test_accuracy:.3f}** (chance: 0.1) after {steps}
+steps in {ctx.train_seconds:.1f} s.
+
+| epoch | train loss | train acc | test loss | test acc | seconds |
+|---|---|---|---|---|---|
+{rows}
+"""
+    plot = Plot(
+        "training_curves", _curves_figure(ctx.result), "Loss (log scale) and accuracy by epoch"
+    )
+    report.add_section(
+        "Training",
+        markdown,
+        [plot],
+        metrics={
+            "epochs": [asdict(e) for e in ctx.result.epochs],
+            "final": asdict(final),
+            "steps": steps,
+            "seconds": ctx.train_seconds,
+        },
+    )
+
+
+def showcase_section(ctx: DemoContext, report: Report) -> None:
+    """``gradkit.func`` on the trained model: input Jacobian, Hessian, HVP cost."""
+    cfg, data = ctx.config, ctx.data
+    batch = (data.x_train[: cfg.hessian_batch], data.y_train[: cfg.hessian_batch])
+    parts = {
+        "jacobian": input_jacobian(
+            ctx.model, data.x_test[0], int(data.y_test[0]), index=0, repeats=cfg.timing_repeats
+        ),
+        "hessian": hessian_spectrum(
+            ctx.model, batch, steps=cfg.power_steps, generator=ctx.generator
+        ),
+        "hvp_cost": hvp_cost(ctx.model, batch, repeats=cfg.timing_repeats, generator=ctx.generator),
+    }
+    intro = (
+        "Derivatives of the trained model computed with `gradkit.func`; every number "
+        "below was measured in this run.\n\n"
+    )
+    report.add_section(
+        "Differentiation showcase",
+        intro + "\n".join(md for md, _, _ in parts.values()),
+        [plot for _, plots, _ in parts.values() for plot in plots],
+        metrics={name: metrics for name, (_, _, metrics) in parts.items()},
+    )
+
+
+#: The demo's sections, in report order; append a function to add a section.
+SECTIONS: list[Section] = [setup_section, training_section, showcase_section]
+
+
+@contextmanager
+def _scoped_torch_state(threads: int | None) -> Iterator[None]:
+    """Set torch's thread count for the run; restore it and the global RNG afterwards."""
+    before = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+
+def run_demo(
+    config: DemoConfig, *, sections: list[Section] | None = None, console: Any = None
+) -> Report:
+    """Train, build the report from ``sections`` (default :data:`SECTIONS`), save it.
+
+    Args:
+        config: the settings.
+        sections: section functions, in order.
+        console: a ``rich.console.Console`` for the progress bar (default: stderr).
+
+    Returns:
+        The saved report (``report.directory`` holds its files).
+    """
+    from gradkit.cli._console import training_progress
+
+    run_start = time.perf_counter()
+    report = Report.open(
+        Path(config.out),
+        "gradkit demo",
+        header={
+            "gradkit": __version__,
+            "torch": torch.__version__,
+            "seed": config.seed,
+            "mode": "quick" if config.quick else "full",
+        },
+    )
+    report.header["run"] = report.directory.name
+    with _scoped_torch_state(config.threads):
+        torch.manual_seed(config.seed)
+        generator = torch.Generator().manual_seed(config.seed)
+        data = load_digits(config.seed, max_train=config.max_train, max_test=config.max_test)
+        model = make_model()
+        steps = config.epochs * math.ceil(data.sizes[0] / config.batch_size)
+        start = time.perf_counter()
+        with training_progress(steps, enabled=config.progress, console=console) as on_step:
+            result = train(
+                model,
+                data,
+                epochs=config.epochs,
+                batch_size=config.batch_size,
+                lr=config.lr,
+                generator=generator,
+                on_step=on_step,
+            )
+        ctx = DemoContext(config, data, model, result, generator, time.perf_counter() - start)
+        for section in sections if sections is not None else SECTIONS:
+            section(ctx, report)
+        report.header["seconds"] = round(time.perf_counter() - run_start, 2)
+        report.save()
+    return report

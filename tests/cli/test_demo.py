@@ -1,0 +1,131 @@
+"""``gradkit demo --quick``: it trains, and the report, figures and metrics are sane."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradkit.cli import main
+from gradkit.cli._demo import _scoped_torch_state
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIGURES = ["training_curves.png", "saliency.png", "hessian_power_iteration.png"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """One in-process quick demo shared by the tests: (out, run folder, stdout)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("demo_out")
+    buffer = io.StringIO()
+    # Without --threads the demo leaves torch's thread count as it is. One thread is the fast
+    # setting for this small model, and the only one that stays fast when other processes
+    # share the cores (intra-op threads then wait on each other at every op).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(buffer):
+            code = main(["demo", "--quick", "--out", str(out), "--no-progress", "--seed", "0"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    (run,) = out.iterdir()
+    return out, run, buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def metrics(quick_run: tuple[Path, Path, str]) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((quick_run[1] / "metrics.json").read_text())
+    return data
+
+
+def test_writes_only_the_run_folder(quick_run: tuple[Path, Path, str]) -> None:
+    out, run, _ = quick_run
+    assert [p.name for p in out.iterdir()] == [run.name]
+    names = sorted(p.name for p in run.iterdir())
+    assert names == sorted(["report.md", "metrics.json", *FIGURES])
+    for name in FIGURES:
+        assert (run / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_has_sections_and_links_every_figure(quick_run: tuple[Path, Path, str]) -> None:
+    text = (quick_run[1] / "report.md").read_text(encoding="utf-8")
+    for heading in ("# gradkit demo", "## Setup", "## Training", "## Differentiation showcase"):
+        assert heading in text
+    for name in FIGURES:
+        assert f"]({name})" in text
+    assert "{{figure:" not in text
+    assert 'mode="auto"` picked **reverse**' in text
+
+
+def test_metrics_are_sane(metrics: dict[str, Any]) -> None:
+    assert metrics["mode"] == "quick"
+    final = metrics["training"]["final"]
+    assert final["test_accuracy"] > 0.5  # chance is 0.1
+    assert all(math.isfinite(final[k]) for k in ("train_loss", "test_loss"))
+    assert len(metrics["training"]["epochs"]) == 2
+
+    jac = metrics["differentiation_showcase"]["jacobian"]
+    assert jac["shape"] == [10, 8, 8]
+    assert jac["auto_mode"] == "reverse"
+    assert jac["max_abs_difference_between_modes"] < 1e-4
+
+    hess = metrics["differentiation_showcase"]["hessian"]
+    assert hess["num_parameters"] == metrics["setup"]["parameters"]
+    assert hess["top_eigenvalue"] > 0 and math.isfinite(hess["top_eigenvalue"])
+    assert 0 < hess["gradient_norm"] < 1e3
+    assert len(hess["eigenvalue_history"]) == hess["power_steps"]
+
+    cost = metrics["differentiation_showcase"]["hvp_cost"]
+    assert set(cost["seconds"]) == {"gradient", "hvp", "hvp_operator"}
+    assert all(s > 0 for s in cost["seconds"].values())
+    assert cost["ratio_to_gradient"]["gradient"] == pytest.approx(1.0)
+    assert cost["hvp_over_gradient"] > 0
+
+
+def test_prints_a_summary(quick_run: tuple[Path, Path, str]) -> None:
+    _, run, stdout = quick_run
+    assert "final test accuracy" in stdout
+    assert f"report: {run / 'report.md'}" in stdout
+
+
+def test_scoped_torch_state_restores_threads_and_rng() -> None:
+    before_threads = torch.get_num_threads()
+    before_rng = torch.get_rng_state()
+    with _scoped_torch_state(1):
+        assert torch.get_num_threads() == 1
+        torch.manual_seed(123)
+        torch.rand(3)
+    assert torch.get_num_threads() == before_threads
+    assert torch.equal(torch.get_rng_state(), before_rng)
+
+
+def test_demo_in_ci_without_stdin_or_terminal(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    env["CI"] = "true"
+    argv = ["demo", "--quick", "--epochs", "1", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradkit", *argv],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b[" not in proc.stdout + proc.stderr  # no progress redraws, no colours
+    (run,) = tmp_path.iterdir()
+    data = json.loads((run / "metrics.json").read_text())
+    assert data["setup"]["threads"] == 1
+    assert len(data["training"]["epochs"]) == 1
