@@ -55,6 +55,9 @@ class _UseRecord:
     kwargs: dict[str, Any]
     n: int
     edges: dict[int, list[tuple[Node, int]]]  # pid -> edges into the parameter
+    leaves: dict[int, Node]  # pid -> the parameter's gradient accumulator
+    buffered: dict[int, torch.Tensor] = field(default_factory=dict)  # edge sums before deciding
+    from_edges: dict[int, bool] = field(default_factory=dict)  # decided: mean read at the edges
 
 
 @dataclass
@@ -299,7 +302,8 @@ class Tracker(Mapping[str, ParamStats]):
                 if p.is_leaf:
                     targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
             edges = _param_edges(output.grad_fn, stops, targets)
-            record = _UseRecord(inputs, kwargs, n, edges)
+            leaves = {pid: node for node, pid in targets.items()}
+            record = _UseRecord(inputs, kwargs, n, edges, leaves)
             st.forward_count += 1
             output.register_hook(lambda g: self._on_output_grad(st, record, g))
             if self._want.mean:
@@ -321,10 +325,30 @@ class Tracker(Mapping[str, ParamStats]):
                 return
             for k, pid in ks:
                 g = grad_inputs[k]
-                if g is not None:
-                    self._accs[pid].add_sum(1, g.detach() * self._scale(record.n))
+                if g is None:
+                    continue
+                g = g.detach() * self._scale(record.n)
+                decided = record.from_edges.get(pid)
+                if decided:
+                    self._accs[pid].add_sum(1, g)
+                elif decided is None:  # before the rule ran (deferred module): keep it
+                    prev = record.buffered.get(pid)
+                    record.buffered[pid] = g if prev is None else prev + g
 
         return hook
+
+    def _decide_mean(self, record: _UseRecord, pid: int) -> bool:
+        """Whether the sum of this use's gradients w.r.t. ``pid`` is read at the parameter's
+        edges in this backward; if not, the rule's output gives it."""
+        ok = pid in record.edges and pid in record.leaves
+        if ok:
+            try:
+                ok = _will_execute(record.leaves[pid]) and all(
+                    _will_execute(node) for node, _ in record.edges[pid]
+                )
+            except RuntimeError:  # inside torch.autograd.grad: leaves cannot be asked
+                ok = False
+        return ok
 
     def _on_output_grad(self, st: _ModuleState, record: _UseRecord, grad: torch.Tensor) -> None:
         if not self._active:
@@ -369,10 +393,15 @@ class Tracker(Mapping[str, ParamStats]):
                     f"{pe.num_examples} x {tuple(pe.shape)} for "
                     f"{self._names[pid]}, expected {n} x {tuple(p.shape)}"
                 )
-            mean_given = all(
-                pid in r.edges and all(_will_execute(node) for node, _ in r.edges[pid])
-                for r, _ in pending
-            )
+            mean_given = True
+            if self._want.mean:
+                # all uses read at the edges, or none (the rule's output then gives the sum)
+                mean_given = all([self._decide_mean(r, pid) for r, _ in pending])
+                for r, _ in pending:
+                    r.from_edges[pid] = mean_given
+                    buffered = r.buffered.pop(pid, None)
+                    if mean_given and buffered is not None:
+                        self._accs[pid].add_sum(1, buffered)
             if st.shared:
                 self._deferred.setdefault(pid, []).append((pe, mean_given, self._scale(n)))
             else:

@@ -1,0 +1,306 @@
+"""track(): the contracts around the numbers: traps of the originals, loss terms outside
+modules, autograd.grad, layouts, dtypes, errors, hook hygiene."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradkit
+from gradkit import GradkitError
+from gradkit.per_example import track
+from gradkit.testing import assert_close, per_example_grads
+
+D = torch.float64
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(72, 10),
+    ).double()
+
+
+def ce_data(n: int = 16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, 8, 8, generator=g, dtype=D), torch.randint(0, 10, (n,), generator=g)
+
+
+def tf_moment(pname: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int, fix_scale):
+    """TensorFlow gradient_moment.py's formulas re-expressed (n * sum_t (x g)^p)."""
+    acts, grads = {}, {}
+    layer = dict(model.named_children())[pname.split(".")[0]]
+
+    def keep(module, args, out):
+        acts["a"] = args[0]
+        out.register_hook(lambda g: grads.update(g=g))
+
+    layer.register_forward_hook(keep)
+    F.cross_entropy(model(x), y).backward()
+    a, g, n = acts["a"], grads["g"], x.shape[0]
+    scale = n ** (p - 1) if fix_scale else n
+    if pname.endswith("bias"):
+        return scale * g.pow(p).sum((0, 2, 3))
+    return scale * torch.nn.grad.conv2d_weight(
+        a.pow(p), layer.weight.shape, g.pow(p), stride=layer.stride, padding=layer.padding
+    )
+
+
+@pytest.mark.parametrize("pname", ["0.weight", "0.bias", "2.weight", "2.bias"])
+@pytest.mark.parametrize("p", [2, 3])
+def test_conv_cross_terms_tf_trap(pname, p):
+    model = conv_net()
+    x, y = ce_data()
+    ref = per_example_grads(model, lambda o, t: F.cross_entropy(o, t), x, y)[pname]
+    exact = (ref**p).mean(0)
+    with track(model, moments=(p,)) as stats:
+        F.cross_entropy(model(x), y).backward()
+    assert_close(stats[pname].moment(p), exact)
+    wrong = tf_moment(pname, conv_net(), x, y, p, fix_scale=True)
+    assert ((wrong - exact).norm() / exact.norm()) > 0.1  # the trap is real on these shapes
+
+
+def test_conv_1x1_output_control_is_where_tf_formula_holds():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 8)).double()  # output 1x1: no positions to sum
+    x = torch.randn(6, 3, 8, 8, dtype=D)
+    ref = per_example_grads(model, lambda o, t: (o**3).sum(), x, None)["0.weight"]
+    with track(model, "second_moment") as stats:
+        (model(x) ** 3).sum(-1).sum(-1).sum(-1).mean().backward()
+    assert_close(stats["0.weight"].second_moment, (ref**2).mean(0))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_moment_scaling_for_every_p(p, reduction):
+    # TF's MatMul moment is n * (A^p)^T G^p: right only for p = 2 (p = 1 gives n x the mean)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = torch.randn(9, 4, dtype=D), torch.randn(9, 3, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 2).sum(), x, y)["weight"]
+    with track(model, moments=(p,), loss_reduction=reduction) as stats:
+        per = ((model(x) - y) ** 2).sum(1)
+        (per.mean() if reduction == "mean" else per.sum()).backward()
+    assert_close(stats["weight"].moment(p), (ref**p).mean(0))
+    if p == 1:
+        assert_close(stats["weight"].moment(1), stats["weight"].moment(1))
+
+
+def test_sequence_linear_and_broadcast_bias_cross_terms():
+    # the sum over positions must be inside the power, for the weight and the bias
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(5, 7, 3, dtype=D), torch.randn(5, 7, 2, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 3).sum(), x, y)
+    with track(model, "second_moment", moments=(3,)) as stats:
+        ((model(x) - y) ** 3).sum((1, 2)).mean().backward()
+    for name in ("weight", "bias"):
+        assert_close(stats[name].second_moment, (ref[name] ** 2).mean(0))
+        assert_close(stats[name].moment(3), (ref[name] ** 3).mean(0))
+
+
+def test_mean_ignores_loss_terms_outside_modules():
+    # an explicit weight-decay term is not a per-example loss: the mean stays (1/N) sum g_i
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(6, 3, dtype=D), torch.randn(6, 2, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 2).sum(), x, y)
+    with track(model, "mean", "variance") as stats:
+        loss = ((model(x) - y) ** 2).sum(1).mean() + 0.7 * model.weight.square().sum()
+        loss.backward()
+    assert_close(stats["weight"].mean, ref["weight"].mean(0))
+    assert_close(stats["weight"].variance, ref["weight"].var(0, unbiased=False))
+
+
+@pytest.mark.parametrize("inputs", ["params", "input_only"])
+def test_autograd_grad_instead_of_backward(inputs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=D, requires_grad=True)
+    ref = per_example_grads(model, lambda o, t: (o**2).sum(), x.detach(), None)
+    with track(model, "mean", "variance") as stats:
+        loss = (model(x) ** 2).sum(1).mean()
+        targets = list(model.parameters()) if inputs == "params" else [x]
+        torch.autograd.grad(loss, targets)
+    assert all(p.grad is None for p in model.parameters())
+    for name, g in ref.items():
+        assert_close([stats[name].mean, stats[name].variance], [g.mean(0), g.var(0, False)])
+
+
+def test_batch_dim_one():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(4, 5, 3, dtype=D)  # [T, N, d]
+    ref = per_example_grads(model, lambda o, t: (o**3).sum(), x, None, batch_dim=1)
+    with track(model, "variance", "batch_l2", batch_dim=1) as stats:
+        (model(x) ** 3).sum((0, 2)).mean().backward()
+    assert stats.num_examples == 5
+    assert_close(stats["weight"].variance, ref["weight"].var(0, unbiased=False))
+    assert_close(stats["weight"].batch_l2, ref["weight"].flatten(1).square().sum(1))
+
+
+def test_frozen_parameters_are_skipped():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].weight.requires_grad_(False)
+    with track(model, "variance") as stats:
+        model(torch.randn(4, 3)).sum().backward()
+    assert sorted(stats) == ["0.bias", "1.bias", "1.weight"]
+
+
+def test_bf16_model_statistics_in_fp32():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    ref = per_example_grads(model.to(torch.bfloat16), lambda o, t: ((o - t) ** 2).sum(), x, y)
+    with track(model, "variance", "batch_l2") as stats:
+        ((model(x.bfloat16()) - y.bfloat16()) ** 2).sum(1).mean().backward()
+    s = stats["weight"]
+    assert s.variance.dtype == torch.float32 and s.batch_l2.dtype == torch.float32
+    assert_close(s.variance.double(), ref["weight"].var(0, unbiased=False), rtol=5e-2, atol=5e-2)
+
+
+def test_variance_never_negative_with_large_mean_small_spread():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    x = 1000.0 + 1e-3 * torch.randn(64, 4)  # nearly identical examples
+    with track(model, "variance", "second_moment") as stats:
+        model(x).sum(1).mean().backward()
+    assert (stats["weight"].variance >= 0).all()
+
+
+def test_unbiased_option():
+    model = nn.Linear(2, 1).double()
+    x = torch.randn(5, 2, dtype=D)
+    with track(model, "variance", unbiased=True) as stats:
+        model(x).pow(2).sum(1).mean().backward()
+    ref = per_example_grads(model, lambda o, t: (o**2).sum(), x, None)["weight"]
+    assert_close(stats["weight"].variance, ref.var(0, unbiased=True))
+
+
+def test_retain_graph_two_backwards_count_twice():
+    model = nn.Linear(2, 1).double()
+    x = torch.randn(3, 2, dtype=D)
+    with track(model, "mean") as stats:
+        loss = model(x).pow(2).sum(1).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    ref = per_example_grads(model, lambda o, t: (o**2).sum(), x, None)["weight"]
+    assert stats.num_examples == 6
+    assert_close(stats["weight"].mean, ref.mean(0))
+
+
+def test_batchnorm_training_mode_refused_with_explanation():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with (
+        track(model, "variance"),
+        pytest.raises(GradkitError, match="BatchNorm1d in training mode.*model.eval"),
+    ):
+        model(torch.randn(4, 3))
+    model.eval()
+    with track(model, "variance") as stats:
+        model(torch.randn(4, 3)).sum().backward()
+    assert stats.num_examples == 4
+
+
+def test_hooks_removed_on_exit_and_on_error():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with pytest.raises(RuntimeError, match="boom"), track(model, "variance"):
+        raise RuntimeError("boom")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    # a graph built inside but backwarded after exit is ignored, not an error
+    with track(model.eval(), "mean") as stats:
+        out = model(torch.randn(2, 3)).sum()
+    out.backward()
+    assert stats.num_examples == 0
+
+
+def test_fallback_modes():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w
+
+    model = Odd()
+    with pytest.raises(GradkitError, match=r"fallback: expected a rule for every tracked module"):
+        track(model, "mean", fallback="error")
+    with pytest.warns(UserWarning, match="using the vmap fallback"):
+        track(model, "mean", fallback="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        track(model, "mean")
+
+
+def test_bad_arguments():
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="quantities: expected one of 'mean'"):
+        track(model, "varaince")
+    with pytest.raises(ValueError, match="at least one of"):
+        track(model)
+    with pytest.raises(ValueError, match="moments: expected positive integers"):
+        track(model, moments=(0,))
+    with pytest.raises(ValueError, match="loss_reduction: expected one of 'mean', 'sum'"):
+        track(model, "mean", loss_reduction="avg")
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        track("model", "mean")
+    with track(model, "mean") as stats:
+        model(torch.randn(2, 2)).sum().backward()
+    with pytest.raises(
+        GradkitError,
+        match=r"stats\['weight'\].variance: not tracked; pass "
+        r"'variance'",
+    ):
+        stats["weight"].variance
+    with pytest.raises(GradkitError, match=r"moment\(3\): not tracked"):
+        stats["weight"].moment(3)
+    with pytest.raises(KeyError, match="no tracked parameter 'nope'"):
+        stats["nope"]
+
+
+def test_micro_batches_called_before_one_backward_must_match_in_size():
+    model = nn.Linear(2, 1)
+    with track(model, "variance"), pytest.raises(GradkitError, match="sizes \\[2, 3\\]"):
+        (model(torch.randn(2, 2)).sum() + model(torch.randn(3, 2)).sum()).backward()
+
+
+def test_register_rule_mro_and_double_registration():
+    class MyLinear(nn.Linear):
+        pass
+
+    assert gradkit.per_example.find_rule(MyLinear(2, 2)) is gradkit.per_example.find_rule(
+        nn.Linear(2, 2)
+    )
+    with pytest.raises(ValueError, match="already has"):
+        gradkit.per_example.register_rule(nn.Linear)(lambda m, u, c: {})
+
+
+def test_derived_quantities_match_definitions():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x, y = torch.randn(10, 3, dtype=D), torch.randn(10, 2, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 2).sum(), x, y)
+    with track(model, "variance") as stats:
+        ((model(x) - y) ** 2).sum(1).mean().backward()
+    tr = sum(float(g.var(0, unbiased=True).sum()) for g in ref.values())
+    g2 = sum(float(g.mean(0).square().sum()) for g in ref.values())
+    assert gradkit.per_example.noise_scale(stats) == pytest.approx(tr / g2, rel=1e-10)
+    snr = gradkit.per_example.gradient_snr(stats)
+    w = ref["weight"]
+    assert snr["weight"] == pytest.approx(float((w.mean(0) ** 2 / w.var(0)).mean()), rel=1e-10)
+    assert gradkit.per_example.cabs_batch_size(stats, lr=0.1, loss=0.5, max_size=10**6) == round(
+        0.1 * tr / 0.5
+    )
+    with pytest.raises(ValueError, match="loss: expected a positive loss value"):
+        gradkit.per_example.cabs_batch_size(stats, lr=0.1, loss=0.0)
+    assert "noise scale" in stats.summary() and "weight" in stats.summary()
