@@ -261,7 +261,7 @@ def test_bad_arguments():
         match=r"stats\['weight'\].variance: not tracked; pass "
         r"'variance'",
     ):
-        stats["weight"].variance
+        _ = stats["weight"].variance
     with pytest.raises(GradkitError, match=r"moment\(3\): not tracked"):
         stats["weight"].moment(3)
     with pytest.raises(KeyError, match="no tracked parameter 'nope'"):
