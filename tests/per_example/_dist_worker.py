@@ -1,0 +1,49 @@
+"""Worker for test_distributed.py, started as a separate process per rank (like torchrun)."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradkit.per_example import track
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    return x, torch.randn(7, 2, generator=g, dtype=torch.float64)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Linear(3, 2).double()
+
+
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from env
+    try:
+        rank = dist.get_rank()
+        x, y = data()
+        lo, hi = (0, 3) if rank == 0 else (3, 7)  # unequal shards
+        net = model()
+        with track(net, "variance", "batch_l2", "batch_grad", moments=(3,)) as stats:
+            ((net(x[lo:hi]) - y[lo:hi]) ** 2).sum(1).mean().backward()
+        stats.all_reduce()
+        s = stats["weight"]
+        torch.save(
+            {
+                "n": stats.num_examples,
+                "var": s.variance,
+                "m3": s.moment(3),
+                "l2": s.batch_l2,
+                "grads": s.batch_grad,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
