@@ -17,7 +17,12 @@ from gradkit.cli import main
 from gradkit.cli._demo import _scoped_torch_state
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIGURES = ["training_curves.png", "saliency.png", "hessian_power_iteration.png"]
+FIGURES = [
+    "training_curves.png",
+    "gradient_stats.png",
+    "saliency.png",
+    "hessian_power_iteration.png",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +65,28 @@ def test_writes_only_the_run_folder(quick_run: tuple[Path, Path, str]) -> None:
 
 def test_report_has_sections_and_links_every_figure(quick_run: tuple[Path, Path, str]) -> None:
     text = (quick_run[1] / "report.md").read_text(encoding="utf-8")
-    for heading in ("# gradkit demo", "## Setup", "## Training", "## Differentiation showcase"):
+    headings = (
+        "# gradkit demo",
+        "## Setup",
+        "## Training",
+        "## Statistics of individual gradients",
+        "## Differentiation showcase",
+    )
+    for heading in headings:
         assert heading in text
     for name in FIGURES:
         assert f"]({name})" in text
     assert "{{figure:" not in text
     assert 'mode="auto"` picked **reverse**' in text
+
+
+def test_gradient_statistics_recorded_over_training(metrics: dict[str, Any]) -> None:
+    records = metrics["statistics_of_individual_gradients"]["records"]
+    assert len(records) >= 10
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+    for r in records:
+        assert r["noise_scale"] > 0 and math.isfinite(r["noise_scale"])
+        assert set(r["layers"]) == {"0", "2", "5", "7"}
 
 
 def test_metrics_are_sane(metrics: dict[str, Any]) -> None:

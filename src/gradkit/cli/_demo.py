@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradkit import __version__
+from gradkit.cli._gradstats import GradStatsRecorder, gradient_stats_markdown
 from gradkit.cli._report import Plot, Report
 from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
 from gradkit.cli._train import Digits, TrainResult, load_digits, make_model, train
@@ -48,6 +49,7 @@ class DemoConfig:
     hessian_batch: int = 512
     power_steps: int = 30
     timing_repeats: int = 20
+    stats_every: int = 5
 
     @classmethod
     def from_args(
@@ -74,6 +76,7 @@ class DemoConfig:
                 hessian_batch=256,
                 power_steps=12,
                 timing_repeats=5,
+                stats_every=2,
             )
         return cls(
             out=out, epochs=epochs or cls.epochs, seed=seed, threads=threads, progress=progress
@@ -214,8 +217,23 @@ def showcase_section(ctx: DemoContext, report: Report) -> None:
     )
 
 
+def gradient_stats_section(ctx: DemoContext, report: Report) -> None:
+    """``gradkit.per_example``: per-layer gradient SNR and noise scale over training."""
+    recorder = ctx.extras.get("gradstats")
+    if recorder is None or not recorder.records:
+        return
+    markdown, figure, metrics = gradient_stats_markdown(recorder)
+    plot = Plot("gradient_stats", figure, "Per-layer gradient SNR and noise scale over training")
+    report.add_section("Statistics of individual gradients", markdown, [plot], metrics=metrics)
+
+
 #: The demo's sections, in report order; append a function to add a section.
-SECTIONS: list[Section] = [setup_section, training_section, showcase_section]
+SECTIONS: list[Section] = [
+    setup_section,
+    training_section,
+    gradient_stats_section,
+    showcase_section,
+]
 
 
 @contextmanager
@@ -265,6 +283,7 @@ def run_demo(
         model = make_model()
         steps = config.epochs * math.ceil(data.sizes[0] / config.batch_size)
         start = time.perf_counter()
+        recorder = GradStatsRecorder(model, config.stats_every)
         with training_progress(steps, enabled=config.progress, console=console) as on_step:
             result = train(
                 model,
@@ -274,8 +293,10 @@ def run_demo(
                 lr=config.lr,
                 generator=generator,
                 on_step=on_step,
+                step_context=recorder,
             )
         ctx = DemoContext(config, data, model, result, generator, time.perf_counter() - start)
+        ctx.extras["gradstats"] = recorder
         for section in sections if sections is not None else SECTIONS:
             section(ctx, report)
         report.header["seconds"] = round(time.perf_counter() - run_start, 2)

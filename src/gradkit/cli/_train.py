@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,6 +145,7 @@ def train(
     lr: float,
     generator: torch.Generator,
     on_step: Callable[[int, float], None] | None = None,
+    step_context: Callable[[int], AbstractContextManager[Any]] | None = None,
 ) -> TrainResult:
     """Train with Adam on mean cross-entropy, the learning rate decaying from ``lr`` to 0
     along a half cosine over all steps; shuffles with ``generator``.
@@ -155,6 +158,8 @@ def train(
         lr: Adam's initial learning rate.
         generator: the source of the batch order.
         on_step: called after each step with ``(global step, loss)`` (e.g. a progress bar).
+        step_context: called with the step number (from 1) before each step; the forward and
+            backward run inside the context it returns (e.g. ``gradkit.per_example.track``).
 
     Raises:
         FloatingPointError: the loss became NaN or infinite (lower the learning rate).
@@ -175,14 +180,16 @@ def train(
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
             x, y = data.x_train[idx], data.y_train[idx]
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"train: the loss is {loss.item()} at step {step + 1}; lower the learning rate"
-                )
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            with step_context(step + 1) if step_context is not None else nullcontext():
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"train: the loss is {loss.item()} at step {step + 1}; "
+                        "lower the learning rate"
+                    )
+                loss.backward()
             optimizer.step()
             schedule.step()
             value = loss.item()

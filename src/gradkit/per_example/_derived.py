@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from gradkit._errors import message
+from gradkit._validate import check_choice
 from gradkit.per_example._stats import ParamStats
 
 __all__ = ["cabs_batch_size", "gradient_snr", "noise_scale", "summary_table"]
@@ -58,16 +59,21 @@ def noise_scale(stats: Mapping[str, ParamStats], names: Iterable[str] | None = N
 
 
 def gradient_snr(
-    stats: Mapping[str, ParamStats], names: Iterable[str] | None = None
+    stats: Mapping[str, ParamStats], names: Iterable[str] | None = None, *, reduction: str = "mean"
 ) -> dict[str, float]:
-    """Per parameter: the mean over entries of ``mean^2 / variance`` (unbiased variance;
-    entries with zero variance are left out)."""
+    """Per parameter: ``mean^2 / variance`` per entry (unbiased variance; entries with zero
+    variance are left out), reduced over entries by ``"mean"`` (Liu et al. 2020) or
+    ``"median"`` (robust to a few entries of tiny variance)."""
+    check_choice(reduction, ("mean", "median"), "gradient_snr(stats)", "reduction")
     out = {}
     for s in _select(stats, names):
         var = s.var(unbiased=True).double()
         ok = var > 0
         ratio = s.mean.double()[ok].square() / var[ok]
-        out[s.name] = float(ratio.mean()) if ratio.numel() else float("inf")
+        if not ratio.numel():
+            out[s.name] = float("inf")
+        else:
+            out[s.name] = float(ratio.mean() if reduction == "mean" else ratio.median())
     return out
 
 
