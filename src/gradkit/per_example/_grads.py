@@ -22,7 +22,12 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["Materialized", "OuterProduct", "PerExampleGrad"]
+__all__ = ["Materialized", "OuterProduct", "PerExampleGrad", "cat_positions"]
+
+
+def cat_positions(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate the uses of a layer along the position dimension (1); no copy for one."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 class PerExampleGrad:
@@ -97,7 +102,9 @@ class OuterProduct(PerExampleGrad):
         if self.T != 1:
             return None
         a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
-        if p != 1:
+        if p == 2:
+            a, g = a.square(), g.square()
+        elif p != 1:
             a, g = a.pow(p), g.pow(p)
         if self.groups == 1:
             return (g[:, 0].T @ a[:, 0]).reshape(self.shape)

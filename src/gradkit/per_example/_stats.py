@@ -56,12 +56,14 @@ class _Acc:
     l2: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
 
-    def add_sum(self, p: int, value: torch.Tensor) -> None:
-        value = value.to(self.dtype)
+    def add_sum(self, p: int, value: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add ``alpha * value`` to the sum of ``g**p`` (``value`` is never modified)."""
         if p in self.sums:
-            self.sums[p] += value
+            self.sums[p].add_(value.to(self.dtype), alpha=alpha)
         else:
-            self.sums[p] = value.clone()
+            self.sums[p] = (
+                value.to(self.dtype) * alpha if alpha != 1.0 else value.to(self.dtype, copy=True)
+            )
 
 
 def accumulate(
@@ -82,22 +84,30 @@ def accumulate(
         if s is None:
             remaining.append(p)
         else:
-            acc.add_sum(p, s.to(acc.dtype) * scale**p)
+            acc.add_sum(p, s, alpha=scale**p)
     l2_direct = None
     if "batch_l2" in want.quantities:
         l2_direct = pe.sq_norms()
         if l2_direct is not None:
             acc.l2.append(l2_direct.to(acc.dtype) * scale**2)
     need_l2 = "batch_l2" in want.quantities and l2_direct is None
-    if remaining or need_l2 or "batch_grad" in want.quantities:
+    keep = "batch_grad" in want.quantities
+    if remaining or need_l2 or keep:
         for block in pe.chunks(chunk_size):
-            g = block.to(acc.dtype) * scale
-            for p in remaining:
-                acc.add_sum(p, (g if p == 1 else g.square() if p == 2 else g.pow(p)).sum(0))
-            if need_l2:
-                acc.l2.append(g.flatten(1).square().sum(1))
-            if "batch_grad" in want.quantities:
+            g = block.to(acc.dtype)  # blocks are fresh tensors: scale and square in place
+            if scale != 1.0:
+                g.mul_(scale)
+            if keep:
                 acc.grads.append(g)
+            if need_l2:
+                acc.l2.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
+            for p in remaining:
+                if p == 1:
+                    acc.add_sum(1, g.sum(0))
+                elif p == 2 and not keep and p == remaining[-1]:
+                    acc.add_sum(2, g.square_().sum(0))  # last use of the block
+                else:
+                    acc.add_sum(p, g.pow(p).sum(0))
     acc.n += pe.num_examples
 
 

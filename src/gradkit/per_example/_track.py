@@ -327,11 +327,12 @@ class Tracker(Mapping[str, ParamStats]):
                 g = grad_inputs[k]
                 if g is None:
                     continue
-                g = g.detach() * self._scale(record.n)
+                g = g.detach()
                 decided = record.from_edges.get(pid)
                 if decided:
-                    self._accs[pid].add_sum(1, g)
+                    self._accs[pid].add_sum(1, g, alpha=self._scale(record.n))
                 elif decided is None:  # before the rule ran (deferred module): keep it
+                    g = g * self._scale(record.n)
                     prev = record.buffered.get(pid)
                     record.buffered[pid] = g if prev is None else prev + g
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
+from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
 from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import acc_dtype
 
@@ -38,6 +38,8 @@ def unfold_patches(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Te
     spatial = x.dim() - 2
     pads = _pads(module, spatial)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    if spatial == 2 and mode == "constant" and pads[0] == pads[1] and pads[2] == pads[3]:
+        return F.unfold(x, module.kernel_size, module.dilation, (pads[2], pads[0]), module.stride)
     if any(pads):
         x = F.pad(x, pads, mode=mode)
     for i in range(spatial):
@@ -67,10 +69,10 @@ def conv_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
         if "weight" in ctx.params:
             p = unfold_patches(x, module)  # [N, C_in*K, L]
             a_parts.append(p.reshape(n, groups, -1, p.shape[-1]).permute(0, 3, 1, 2))
-    g = torch.cat(g_parts, 1).to(dtype)  # [N, T, groups, o]
+    g = cat_positions(g_parts).to(dtype)  # [N, T, groups, o]
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
-        a = torch.cat(a_parts, 1).to(dtype)
+        a = cat_positions(a_parts).to(dtype)
         out["weight"] = OuterProduct(a, g, ctx.params["weight"].shape)
     if "bias" in ctx.params:
         out["bias"] = Materialized(g.sum(1).reshape(n, c_out))

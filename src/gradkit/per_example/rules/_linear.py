@@ -7,10 +7,9 @@ of a shared layer) are flattened into ``t``: ``g_n(W) = sum_t G[n, t]^T a[n, t]`
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
+from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
 from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import acc_dtype
 
@@ -22,8 +21,8 @@ def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     d_in = uses[0].inputs[0].shape[-1]
     d_out = uses[0].grad_output.shape[-1]
     dtype = acc_dtype(uses[0].grad_output.dtype)
-    a = torch.cat([u.inputs[0].reshape(n, -1, d_in) for u in uses], 1).to(dtype)
-    g = torch.cat([u.grad_output.reshape(n, -1, d_out) for u in uses], 1).to(dtype)
+    a = cat_positions([u.inputs[0].reshape(n, -1, d_in) for u in uses]).to(dtype)
+    g = cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]).to(dtype)
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
         out["weight"] = OuterProduct(a[:, :, None], g[:, :, None], ctx.params["weight"].shape)
