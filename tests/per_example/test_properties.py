@@ -19,9 +19,12 @@ def compare(model: nn.Module, x: torch.Tensor, p: int) -> None:
     with track(model, "variance", "batch_l2", moments=(p,)) as stats:
         loss(model(x)).mean().backward()
     for name, g in ref.items():
+        # the variance is second_moment - mean**2: its rounding scales with the second moment
+        var_atol = 1e-12 * max(1.0, float((g**2).mean(0).max()))
+        assert_close(stats[name].variance, g.var(0, unbiased=False), atol=var_atol)
         assert_close(
-            [stats[name].variance, stats[name].batch_l2, stats[name].moment(p)],
-            [g.var(0, unbiased=False), g.flatten(1).square().sum(1), (g**p).mean(0)],
+            [stats[name].batch_l2, stats[name].moment(p)],
+            [g.flatten(1).square().sum(1), (g**p).mean(0)],
         )
 
 
