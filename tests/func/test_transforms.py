@@ -163,6 +163,23 @@ def test_jacobian_auto_picks_by_size(monkeypatch):
     assert calls == ["reverse", "forward"]
 
 
+def test_jacobian_auto_remembers_output_size(monkeypatch):
+    import gradkit.func._transforms as T
+
+    probes = []
+    real = T._vjp
+    monkeypatch.setattr(T, "_vjp", lambda *a: probes.append(1) or real(*a))
+    wide = mlp(3, 10)
+    x = torch.randn(3, dtype=D)
+    first = jacobian(wide, x)
+    assert len(probes) == 1  # learned the output size from one reverse-mode forward
+    second = jacobian(wide, x)
+    assert len(probes) == 1  # forward mode straight away
+    assert_close(first, second)
+    jacobian(wide, torch.randn(2, 3, dtype=D))  # new shapes: probe again
+    assert len(probes) == 2
+
+
 def test_jacobian_errors():
     x = torch.ones(2)
     with pytest.raises(

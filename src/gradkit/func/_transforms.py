@@ -13,8 +13,10 @@ that makes forward mode 333x slower than it should be).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -355,6 +357,57 @@ def _forward_cols(
     return tuple(blocks)
 
 
+# Output sizes seen per function and argument signature: a repeated ``jacobian(f, x)`` call in
+# auto mode picks forward mode without first running the reverse-mode forward pass.
+_OUT_SIZES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _shape_key(f: Any, args: Sequence[Any], nums: Sequence[int]) -> tuple[Any, ...] | None:
+    parts: list[Any] = [tuple(nums)]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((tuple(a.shape), a.dtype, a.device))
+        elif isinstance(a, _SCALARS):
+            parts.append(a)
+        else:
+            return None
+    return tuple(parts)
+
+
+def _known_out_size(f: Any, key: tuple[Any, ...] | None, default: int) -> int:
+    try:
+        return _OUT_SIZES.get(f, {}).get(key, default) if key is not None else default
+    except TypeError:  # f cannot be weakly referenced
+        return default
+
+
+def _remember_out_size(f: Any, key: tuple[Any, ...] | None, size: int) -> None:
+    if key is None:
+        return
+    with contextlib.suppress(TypeError):  # f cannot be weakly referenced
+        _OUT_SIZES.setdefault(f, {})[key] = size
+
+
+def _try_forward(
+    g: Callable[..., Any],
+    primals: Sequence[torch.Tensor],
+    chunk_size: int | None,
+    vectorize: bool,
+    call: str,
+    required: bool,
+) -> tuple[torch.Tensor, ...] | None:
+    """Forward-mode blocks, or None when an operation has no forward rule and the mode was
+    only preferred (auto), not required."""
+    try:
+        return _forward_cols(g, primals, chunk_size, vectorize)
+    except NotImplementedError as err:  # e.g. an autograd.Function without jvp
+        if required:
+            raise
+        logger.debug("%s: forward mode unavailable (%s); using reverse mode", call, err)
+        return None
+
+
 def jacobian(
     f: Callable[..., Any],
     *args: Any,
@@ -373,7 +426,9 @@ def jacobian(
         argnums: which argument(s) to differentiate; a tuple gives a tuple of blocks.
         mode: ``"auto"`` (reverse when ``prod(O) <= n``, the number of differentiated
             elements, else forward; reverse also when an operation has no forward-mode rule,
-            e.g. a :func:`custom_gradient`), ``"reverse"`` or ``"forward"``.
+            e.g. a :func:`custom_gradient`), ``"reverse"`` or ``"forward"``. Auto mode learns
+            ``prod(O)`` from one reverse-mode forward pass the first time it sees ``f`` with
+            arguments of given shapes, and remembers it for later calls.
         chunk_size: how many VJPs/JVPs to vectorize at once (memory knob; None = all).
         vectorize: False computes one product at a time in a Python loop, for functions with
             operations that ``torch.func.vmap`` cannot batch.
@@ -397,17 +452,17 @@ def jacobian(
     _check_differentiable(args, nums, call)
     g = _substitute(f, args, nums)
     primals = tuple(args[i] for i in nums)
+    n_in = sum(p.numel() for p in primals)
+    key = _shape_key(f, args, nums)
     blocks: tuple[torch.Tensor, ...] | None = None
-    if mode == "forward":
-        blocks = _forward_cols(g, primals, chunk_size, vectorize)
-    else:
+    if mode == "forward" or (mode == "auto" and _known_out_size(f, key, default=0) > n_in):
+        blocks = _try_forward(g, primals, chunk_size, vectorize, call, required=mode != "auto")
+    if blocks is None:
         out, vjp_fn = _vjp(g, *primals)
         out = _check_tensor_output(out, call)
-        if mode == "auto" and out.numel() > sum(p.numel() for p in primals):
-            try:
-                blocks = _forward_cols(g, primals, chunk_size, vectorize)
-            except NotImplementedError as err:  # e.g. an autograd.Function without jvp
-                logger.debug("%s: forward mode unavailable (%s); using reverse mode", call, err)
+        _remember_out_size(f, key, out.numel())
+        if mode == "auto" and out.numel() > n_in:
+            blocks = _try_forward(g, primals, chunk_size, vectorize, call, required=False)
         if blocks is None:
             blocks = _reverse_rows(out, vjp_fn, primals, chunk_size, vectorize)
     assert blocks is not None
