@@ -39,3 +39,12 @@ def test_check_choice():
     assert check_choice("a", ("a", "b"), "f", "mode") == "a"
     with pytest.raises(ValueError, match="f: mode: expected one of 'a', 'b', got 3"):
         check_choice(3, ("a", "b"), "f", "mode")
+
+
+def test_is_batching_error():
+    from gradkit._validate import is_batching_error
+
+    assert is_batching_error(RuntimeError("vmap: It looks like you're calling .item()"))
+    assert is_batching_error(RuntimeError("Batching rule not implemented for aten::foo"))
+    assert not is_batching_error(RuntimeError("CPU out of memory (tried to allocate 1 GiB)"))
+    assert not is_batching_error(RuntimeError("shape mismatch"))

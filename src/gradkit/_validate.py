@@ -9,7 +9,7 @@ import torch
 
 from gradkit._errors import describe, message
 
-__all__ = ["as_tensor_list", "check_choice", "normalize_argnums"]
+__all__ = ["as_tensor_list", "check_choice", "is_batching_error", "normalize_argnums"]
 
 
 def normalize_argnums(argnums: Any, nargs: int, call: str) -> tuple[int, ...]:
@@ -112,3 +112,12 @@ def check_choice(value: Any, choices: Sequence[str], call: str, argument: str) -
             message(call, argument, f"one of {options}", repr(value), f"pass one of {options}")
         )
     return value
+
+
+def is_batching_error(err: BaseException) -> bool:
+    """Whether ``err`` says that vectorization (vmap / batched gradients) failed, as opposed to
+    an error a one-at-a-time loop would hit too (e.g. out of memory)."""
+    text = str(err).lower()
+    return "out of memory" not in text and any(
+        w in text for w in ("vmap", "batching rule", "batched", "is_grads_batched")
+    )

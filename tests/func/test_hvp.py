@@ -121,3 +121,23 @@ def test_no_graph_left_on_inputs():
     x = torch.randn(3, requires_grad=True)
     value, hv = hvp(lambda z: (z**3).sum(), x, torch.ones(3))
     assert not hv.requires_grad and not value.requires_grad and x.grad is None
+
+
+def test_functional_operator_has_no_names():
+    op = hvp_operator(lambda x: (x**2).sum(), torch.ones(2))
+    assert op.names is None
+    with pytest.raises(ValueError, match="use op.unflatten"):
+        op.as_dict(torch.ones(2))
+
+
+def test_matmat_does_not_hide_real_errors(monkeypatch):
+    import gradkit.func._hvp as H
+
+    op = hvp_operator(lambda x: (x**3).sum(), torch.ones(3))
+
+    def boom(*a, **k):
+        raise RuntimeError("CPU out of memory while allocating")
+
+    monkeypatch.setattr(H, "_second_grads", boom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        op @ torch.eye(3)

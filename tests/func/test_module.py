@@ -71,9 +71,10 @@ def test_hessian_hvp_operator_agree_with_flat_oracle():
     op = module_hvp_operator(model, loss_fn, batch)
     v = torch.randn(theta.numel(), dtype=D)
     assert_close(op @ v, H @ v)
-    vd = dict(zip([n for n, _ in model.named_parameters()], op.unflatten(v), strict=True))
+    assert op.names == [n for n, _ in model.named_parameters()]
+    vd = op.as_dict(v)
     hv = module_hvp(model, loss_fn, batch, vd)
-    assert_close(hv, dict(zip(vd, op.unflatten(H @ v), strict=True)))
+    assert_close(hv, op.as_dict(H @ v))
 
 
 def test_unused_parameter_gives_zero_block_not_error():

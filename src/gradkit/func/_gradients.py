@@ -25,7 +25,7 @@ import torch
 from torch.autograd.graph import Node
 
 from gradkit._errors import describe, message
-from gradkit._validate import as_tensor_list, check_choice
+from gradkit._validate import as_tensor_list, check_choice, is_batching_error
 
 __all__ = ["AggregationMethod", "UnconnectedGradients", "gradients", "hessians"]
 
@@ -282,7 +282,9 @@ def _flat_hessian_rows(
                 allow_unused=True,
                 is_grads_batched=True,
             )
-        except RuntimeError:  # an op without a batching rule: loop, like TF without pfor
+        except RuntimeError as err:  # no batching rule: loop, like TF without pfor
+            if not is_batching_error(err):
+                raise
             parts = [
                 torch.autograd.grad(
                     g, x, b, retain_graph=True, create_graph=create_graph, allow_unused=True

@@ -13,16 +13,19 @@ Convention, pinned by a test: for :math:`f(x) = \\tfrac12 x^\\top A x` the Hessi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_choice, is_batching_error
 from gradkit.func._transforms import _as_tuple, _check_like, _check_scalar, _name
 
 __all__ = ["HVPOperator", "hvp", "hvp_operator"]
+
+logger = logging.getLogger(__name__)
 
 _METHODS = ("auto", "reverse_over_reverse", "forward_over_reverse")
 
@@ -133,6 +136,7 @@ class HVPOperator:
         shape: ``(n, n)``.
         value: the scalar at the point (detached).
         gradient: the flat gradient at the point (detached), ``[n]``.
+        names: parameter names in flat order (operators from a module), else None.
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class HVPOperator:
         *,
         chunk_size: int | None = None,
         call: str = "hvp_operator",
+        names: Sequence[str] | None = None,
     ) -> None:
         _check_scalar(value, call)
         dtypes = {x.dtype for x in xs}
@@ -171,6 +176,7 @@ class HVPOperator:
             ]
         )
         self._call = call
+        self.names = list(names) if names is not None else None
 
     def __repr__(self) -> str:
         return f"HVPOperator(shape={self.shape}, dtype={self.dtype}, device={self.device})"
@@ -204,13 +210,17 @@ class HVPOperator:
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``H v`` for a flat vector ``v`` of shape ``[n]``."""
-        v = self._check_vector(v)
+        return self._apply(self._check_vector(v))
+
+    def _apply(self, v: torch.Tensor) -> torch.Tensor:
         vs = [p.view(x.shape) for p, x in zip(v.split(self._sizes), self._xs, strict=True)]
         return torch.cat([r.reshape(-1) for r in _second_grads(self._gs, self._xs, vs)])
 
     def matmat(self, V: torch.Tensor) -> torch.Tensor:
         """``H V`` for a matrix ``V`` of shape ``[n, k]`` (vectorized over columns)."""
-        V = self._check_vector(V)
+        return self._apply_columns(self._check_vector(V))
+
+    def _apply_columns(self, V: torch.Tensor) -> torch.Tensor:
         k = V.shape[1]
         step = k if self.chunk_size is None else self.chunk_size
         cols = []
@@ -223,13 +233,32 @@ class HVPOperator:
             try:
                 res = _second_grads(self._gs, self._xs, vs, batched=True)
                 cols.append(torch.cat([r.reshape(len(block), -1) for r in res], dim=1).T)
-            except RuntimeError:  # an op without a batching rule: one vector at a time
-                cols.append(torch.stack([self.matvec(c) for c in block], dim=1))
+            except RuntimeError as err:
+                if not is_batching_error(err):
+                    raise
+                logger.debug(
+                    "%s: vectorized backward failed (%s); one vector at a time", self._call, err
+                )
+                cols.append(torch.stack([self._apply(c) for c in block], dim=1))
         return torch.cat(cols, dim=1)
 
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
         v = self._check_vector(v)
-        return self.matvec(v) if v.dim() == 1 else self.matmat(v)
+        return self._apply(v) if v.dim() == 1 else self._apply_columns(v)
+
+    def as_dict(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a vector ``[n]`` (or ``[n, k]``) by parameter name (module operators only)."""
+        if self.names is None:
+            raise ValueError(
+                message(
+                    f"{self._call}.as_dict(vector)",
+                    "self",
+                    "an operator built from a module (it has names)",
+                    "a functional operator",
+                    "use op.unflatten(vector)",
+                )
+            )
+        return dict(zip(self.names, self.unflatten(vector), strict=True))
 
     def to_dense(self) -> torch.Tensor:
         """The full Hessian ``[n, n]`` (n products; for small n)."""

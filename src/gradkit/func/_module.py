@@ -139,7 +139,8 @@ def module_hvp_operator(
 ) -> HVPOperator:
     """The Hessian of the loss w.r.t. the parameters as an operator on flat vectors.
 
-    The flat order is that of ``model.named_parameters()``; ``op.unflatten(v)`` splits a vector.
+    The flat order is that of ``model.named_parameters()`` (``op.names``); ``op.as_dict(v)``
+    splits a vector by name, ready for :func:`module_hvp`.
     Parameters the loss does not use have zero rows and columns (never a silently zero
     Hessian of the wrong function).
     """
@@ -147,7 +148,9 @@ def module_hvp_operator(
     chosen = _select(model, params, call)
     with torch.enable_grad():
         loss = _loss(model, loss_fn, batch, call)
-        return HVPOperator(loss, list(chosen.values()), chunk_size=chunk_size, call=call)
+        return HVPOperator(
+            loss, list(chosen.values()), chunk_size=chunk_size, call=call, names=list(chosen)
+        )
 
 
 def module_hvp(
