@@ -42,8 +42,10 @@ def _second_grads(
     *,
     batched: bool = False,
     create_graph: bool = False,
+    retain_graph: bool = True,
 ) -> list[torch.Tensor]:
-    """``d/dx sum_k <g_k, v_k>`` by one backward through the first-gradient graph ``gs``.
+    """``d/dx sum_k <g_k, v_k>`` by one backward through the first-gradient graph ``gs``
+    (kept for further products unless ``retain_graph=False``).
 
     With ``batched=True`` each ``v_k`` carries a leading dimension of vectors (vectorized
     backward). Gradients that do not depend on ``xs`` (a linear function) contribute zeros.
@@ -57,7 +59,7 @@ def _second_grads(
         outputs,
         list(xs),
         grad_outputs=[vs[k] for k in live],
-        retain_graph=True,
+        retain_graph=retain_graph or create_graph,
         create_graph=create_graph,
         allow_unused=True,
         is_grads_batched=batched,
@@ -119,7 +121,7 @@ def hvp(
             value = f(*xs)
             _check_scalar(value, call)
             gs = torch.autograd.grad(value, xs, create_graph=True, allow_unused=True)
-            res = _second_grads(gs, xs, vs)
+            res = _second_grads(gs, xs, vs, retain_graph=False)
         value = value.detach()
     return value, (tuple(res) if was_seq else res[0])
 

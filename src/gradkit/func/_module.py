@@ -199,7 +199,8 @@ def module_hvp(
         loss = _loss(model, loss_fn, batch, call)
         xs = list(chosen.values())
         gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
-        res = _second_grads(gs, xs, [v[n].to(p.dtype) for n, p in chosen.items()])
+        vs = [v[n].to(p.dtype) for n, p in chosen.items()]
+        res = _second_grads(gs, xs, vs, retain_graph=False)
     return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
 
 
