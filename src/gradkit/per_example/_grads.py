@@ -44,8 +44,9 @@ class PerExampleGrad:
         """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""
         raise NotImplementedError
 
-    def power_sum(self, p: int) -> torch.Tensor | None:
-        """``sum_n g_n ** p`` (shaped like the parameter) by a closed form, or None."""
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
+        """``sum_n (scale * g_n) ** p`` (shaped like the parameter) by a closed form, or None.
+        The result is a fresh tensor the caller may keep."""
         return None
 
     def sq_norms(self) -> torch.Tensor | None:
@@ -64,8 +65,9 @@ class Materialized(PerExampleGrad):
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         yield from self.grads.split(size)
 
-    def power_sum(self, p: int) -> torch.Tensor | None:
-        return self.grads.pow(p).sum(0) if p != 1 else self.grads.sum(0)
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
+        total = self.grads.pow(p).sum(0) if p != 1 else self.grads.sum(0)
+        return total.mul_(scale**p) if scale != 1.0 else total
 
     def sq_norms(self) -> torch.Tensor | None:
         return self.grads.flatten(1).square().sum(1)
@@ -98,7 +100,7 @@ class OuterProduct(PerExampleGrad):
         for start in range(0, self.num_examples, size):
             yield self._block(start, min(start + size, self.num_examples))
 
-    def power_sum(self, p: int) -> torch.Tensor | None:
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         if self.T != 1:
             return None
         a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
@@ -106,6 +108,8 @@ class OuterProduct(PerExampleGrad):
             a, g = a.square(), g.square()
         elif p != 1:
             a, g = a.pow(p), g.pow(p)
+        if scale != 1.0:  # on the smaller factor, before the product
+            g = g * scale**p
         if self.groups == 1:
             return (g[:, 0].T @ a[:, 0]).reshape(self.shape)
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)

@@ -56,14 +56,18 @@ class _Acc:
     l2: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
 
-    def add_sum(self, p: int, value: torch.Tensor, alpha: float = 1.0) -> None:
-        """Add ``alpha * value`` to the sum of ``g**p`` (``value`` is never modified)."""
+    def add_sum(
+        self, p: int, value: torch.Tensor, alpha: float = 1.0, *, owned: bool = False
+    ) -> None:
+        """Add ``alpha * value`` to the sum of ``g**p``. ``value`` is never modified; with
+        ``owned=True`` (a fresh tensor nothing else holds) a first value is kept as is."""
+        value = value.to(self.dtype)
         if p in self.sums:
-            self.sums[p].add_(value.to(self.dtype), alpha=alpha)
+            self.sums[p].add_(value, alpha=alpha)
+        elif owned and alpha == 1.0:
+            self.sums[p] = value
         else:
-            self.sums[p] = (
-                value.to(self.dtype) * alpha if alpha != 1.0 else value.to(self.dtype, copy=True)
-            )
+            self.sums[p] = torch.mul(value, alpha)
 
 
 def accumulate(
@@ -80,11 +84,11 @@ def accumulate(
         powers.insert(0, 1)
     remaining = []
     for p in powers:
-        s = pe.power_sum(p)
+        s = pe.power_sum(p, scale)
         if s is None:
             remaining.append(p)
         else:
-            acc.add_sum(p, s, alpha=scale**p)
+            acc.add_sum(p, s, owned=True)
     l2_direct = None
     if "batch_l2" in want.quantities:
         l2_direct = pe.sq_norms()
@@ -103,11 +107,11 @@ def accumulate(
                 acc.l2.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
             for p in remaining:
                 if p == 1:
-                    acc.add_sum(1, g.sum(0))
+                    acc.add_sum(1, g.sum(0), owned=True)
                 elif p == 2 and not keep and p == remaining[-1]:
-                    acc.add_sum(2, g.square_().sum(0))  # last use of the block
+                    acc.add_sum(2, g.square_().sum(0), owned=True)  # last use of the block
                 else:
-                    acc.add_sum(p, g.pow(p).sum(0))
+                    acc.add_sum(p, g.pow(p).sum(0), owned=True)
     acc.n += pe.num_examples
 
 

@@ -30,9 +30,9 @@ class EmbeddingGrad(PerExampleGrad):
         self.example = uniq // num_rows
         self.row = uniq % num_rows
 
-    def power_sum(self, p: int) -> torch.Tensor:
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor:
         vals = self.rows if p == 1 else self.rows.pow(p)
-        return vals.new_zeros(self.shape).index_add_(0, self.row, vals)
+        return vals.new_zeros(self.shape).index_add_(0, self.row, vals, alpha=scale**p)
 
     def sq_norms(self) -> torch.Tensor:
         return self.rows.new_zeros(self.num_examples).index_add_(
