@@ -1,0 +1,127 @@
+"""Benchmarks of gradkit against its peers, side by side in one process (``gradkit bench``).
+
+``main(argv)`` runs the chosen suites with a fixed thread count, writes ``<out>/<suite>.json``
+(machine, settings, absolute medians, ratios, agreement, targets) and ``<out>/<suite>.md``
+(ratios and a PASS/FAIL summary) and prints the markdown. The exit status is 0 when every
+result agrees numerically with its reference, 1 otherwise; timing targets never change it
+(machines are noisy: read the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradkit._bench import func
+from gradkit._bench._case import Case, Settings, run_case
+from gradkit._bench._report import render_markdown, summary_rows, write_outputs
+from gradkit._bench._timing import machine_info, num_threads
+
+__all__ = ["SUITES", "main", "run_suite"]
+
+SUITES: dict[str, Callable[[], list[Case]]] = {"func": func.build_cases}
+
+_MODES = {
+    "full": Settings(repeats=31, warmup=2, min_sample_s=0.05),
+    "quick": Settings(repeats=5, warmup=1, min_sample_s=0.005),
+    "smoke": Settings(repeats=1, warmup=1, min_sample_s=0.0),
+}
+
+
+def run_suite(
+    name: str,
+    *,
+    mode: str = "full",
+    threads: int = 1,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run one suite and return its results as a JSON-ready dict (nothing is written)."""
+    settings = _MODES[mode]
+    started = time.perf_counter()
+    with num_threads(threads), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        cases = SUITES[name]()
+        results = []
+        for case in cases:
+            if log is not None:
+                log(f"[{name}] {case.key} ...")
+            t0 = time.perf_counter()
+            results.append(run_case(case, settings))
+            if log is not None:
+                log(f"[{name}] {case.key} done in {time.perf_counter() - t0:.1f} s")
+    result: dict[str, Any] = {
+        "suite": name,
+        "machine": machine_info(threads),
+        "config": {
+            "mode": mode,
+            "repeats": settings.repeats,
+            "warmup": settings.warmup,
+            "min_sample_s": settings.min_sample_s,
+            "seed": seed,
+            "threads": threads,
+        },
+        "cases": results,
+    }
+    rows = summary_rows(result)
+    judged = [r for r in rows if r["status"] in ("PASS", "FAIL")]
+    result["summary"] = {
+        "targets_passed": sum(r["status"] == "PASS" for r in judged),
+        "targets_total": len(judged),
+        "all_agree": all(c["agreement"].get("all_agree", True) for c in results),
+        "seconds": time.perf_counter() - started,
+    }
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gradkit bench",
+        description="gradkit against its peers, side by side in one process: interleaved "
+        "medians, reported as ratios, with numerical agreement checks.",
+    )
+    p.add_argument(
+        "--suite", choices=["all", *SUITES], default="all", help="which suite to run (default: all)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="few repeats (a smoke run for CI; ratios are noisier)"
+    )
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch.set_num_threads for the run (default: 1)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results"),
+        help="folder for <suite>.json and <suite>.md (default: benchmarks/results)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks; see ``gradkit bench --help``."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads: expected a positive int, got {args.threads}")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    ok = True
+    for name in names:
+        result = run_suite(name, mode=mode, threads=args.threads, log=log)
+        json_path, md_path = write_outputs(result, args.out)
+        print(render_markdown(result))
+        print(f"Wrote {json_path} and {md_path}")
+        ok = ok and result["summary"]["all_agree"]
+    return 0 if ok else 1

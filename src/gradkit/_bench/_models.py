@@ -1,0 +1,67 @@
+"""Models shared by the benchmark suites, and the process warm-up that runs before them."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import jacfwd, jacrev, vmap
+
+import gradkit.func as gf
+
+__all__ = ["apply_mlp", "mlp", "mlp_name", "warm_up"]
+
+
+def mlp(sizes: Sequence[int], dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """``Linear`` layers of the given widths with ``tanh`` between them (none at the end)."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        if i:
+            layers.append(nn.Tanh())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def mlp_name(sizes: Sequence[int]) -> str:
+    return "MLP " + "-".join(str(s) for s in sizes) + " (tanh)"
+
+
+def apply_mlp(params: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The ``mlp`` forward pass as a pure function of its ``(weight, bias, ...)`` tuple."""
+    h = x
+    for i in range(0, len(params), 2):
+        if i:
+            h = torch.tanh(h)
+        h = F.linear(h, params[i], params[i + 1])
+    return h
+
+
+def warm_up() -> None:
+    """First use of torch.func, forward AD and double backward in this process (lazy imports
+    and initialization), so that no case pays for it in its first call."""
+    x = torch.randn(3, 2)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(t @ x.T)
+
+    def s(t: torch.Tensor) -> torch.Tensor:
+        return f(t).pow(2).sum()
+
+    t = torch.randn(2)
+    gf.jacobian(f, t, mode="forward")
+    gf.jacobian(f, t, mode="reverse")
+    gf.batch_jacobian(f, x, mode="forward")
+    gf.batch_jacobian(f, x, mode="reverse")
+    jacrev(f)(t)
+    jacfwd(f)(t)
+    vmap(jacrev(f))(x)
+    vmap(jacfwd(f))(x)
+    gf.hessian(s, t)
+    torch.func.hessian(s)(t)
+    gf.hvp(s, t, t)
+    gf.hvp_operator(s, t) @ torch.eye(2)
+    torch.func.jvp(torch.func.grad(s), (t,), (t,))
+    torch.autograd.functional.hvp(s, t, t)

@@ -1,0 +1,94 @@
+"""Smoke test of the benchmark suite: it runs, writes its JSON and markdown, and every method
+agrees numerically with its reference. Timing targets are never asserted (machines are noisy)."""
+
+import json
+
+import pytest
+import torch
+
+from gradkit._bench import main
+from gradkit._bench._timing import num_threads, quantile, time_interleaved
+
+
+@pytest.mark.slow
+def test_func_suite_smoke(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    assert main(["--suite", "func", "--smoke", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # the run restores the thread count
+
+    result = json.loads((tmp_path / "func.json").read_text(encoding="utf-8"))
+    markdown = (tmp_path / "func.md").read_text(encoding="utf-8")
+    printed = capsys.readouterr().out
+
+    assert result["suite"] == "func"
+    assert result["machine"]["threads"] == 1
+    assert {"torch", "cpu", "date"} <= set(result["machine"])
+    keys = [c["key"] for c in result["cases"]]
+    assert {"jacobian_50x100", "jacobian_500x8", "hvp", "module_hvp", "hessian"} <= set(keys)
+
+    mismatches = [
+        (c["key"], m["key"], m["max_abs_diff"])
+        for c in result["cases"]
+        for m in c["methods"]
+        if m["agree"] is False
+    ]
+    assert mismatches == []
+    assert result["summary"]["all_agree"] is True
+    for case in result["cases"]:
+        assert case["agreement"]["all_agree"] is True
+        checked = [m for m in case["methods"] if m["agree"] is not None]
+        assert checked, case["key"]
+        for m in case["methods"]:
+            assert m["median_ms"] > 0
+            assert m["ratio"] > 0
+        for t in case["targets"]:
+            assert t["ratio"] > 0
+            assert t["pass"] in (True, False, None)
+    hessian = next(c for c in result["cases"] if c["key"] == "hessian")
+    assert hessian["extras"]["max abs asymmetry of gradkit.func.hessian"] < 1e-12
+
+    assert "## Summary" in markdown
+    assert "| method | x baseline |" in markdown
+    assert "Numerical agreement: all results agree." in markdown
+    assert "## Summary" in printed
+
+
+def test_time_interleaved_round_robin():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    res = time_interleaved(fns, repeats=4, warmup=0, rewarm_s=0.0, seed=1)
+    rounds = [calls[i : i + 3] for i in range(0, len(calls), 3)]
+    assert len(rounds) == 4 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # the order changes from round to round
+    for r in res.values():
+        assert r["repeats"] == 4 and len(r["samples_ms"]) == 4
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+
+
+def test_time_interleaved_rewarms_cheap_callables():
+    calls = []
+    res = time_interleaved({"f": lambda: calls.append(1)}, repeats=3, warmup=1)
+    assert res["f"]["number"] == 1
+    # warmup, two calibration calls, then an untimed call before each timed one
+    assert len(calls) == 1 + 2 + 3 * 2
+
+
+def test_time_interleaved_calibrates_calls_per_sample():
+    res = time_interleaved({"f": lambda: None}, repeats=2, warmup=1, min_sample_s=1e-3)
+    assert res["f"]["number"] > 1
+
+
+def test_quantile_and_threads():
+    assert quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
+    before = torch.get_num_threads()
+    with num_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="positive int"), num_threads(0):
+        pass
+
+
+def test_cli_rejects_bad_threads(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--threads", "0", "--out", str(tmp_path)])
+    assert not (tmp_path / "func.json").exists()
