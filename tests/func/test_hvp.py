@@ -47,6 +47,9 @@ def test_hvp_vs_dense_hessian_on_mlp_losses(act, method):
     op = hvp_operator(loss, flat)
     V = torch.randn(flat.numel(), 4, dtype=D)
     assert_close([op @ v, op @ V, op.to_dense()], [H @ v, H @ V, H])
+    looped = hvp_operator(loss, flat, vectorize=False)
+    assert not looped.vectorize and op.vectorize
+    assert_close(looped @ V, H @ V)
     assert_close(op.gradient, torch.func.grad(loss)(flat))
 
 

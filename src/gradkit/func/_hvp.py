@@ -126,6 +126,23 @@ def hvp(
     return value, (tuple(res) if was_seq else res[0])
 
 
+_VECTORIZE_MAX = 10_000
+
+
+def _check_one_dtype(xs: Sequence[torch.Tensor], call: str) -> None:
+    dtypes = {x.dtype for x in xs}
+    if len(dtypes) != 1:
+        raise TypeError(
+            message(
+                call,
+                "args",
+                "tensors of one dtype",
+                ", ".join(str(d) for d in dtypes),
+                "convert the arguments to one dtype",
+            )
+        )
+
+
 class HVPOperator:
     """The Hessian of a scalar at a fixed point as a matrix-free linear operator.
 
@@ -149,23 +166,19 @@ class HVPOperator:
         chunk_size: int | None = None,
         call: str = "hvp_operator",
         names: Sequence[str] | None = None,
+        shapes: Sequence[torch.Size] | None = None,
+        vectorize: bool | None = None,
     ) -> None:
         _check_scalar(value, call)
-        dtypes = {x.dtype for x in xs}
-        if len(dtypes) != 1:
-            raise TypeError(
-                message(
-                    call,
-                    "args",
-                    "tensors of one dtype",
-                    ", ".join(str(d) for d in dtypes),
-                    "convert the arguments to one dtype",
-                )
-            )
+        _check_one_dtype(xs, call)
         self._xs = list(xs)
         self._gs = torch.autograd.grad(value, self._xs, create_graph=True, allow_unused=True)
         self._sizes = [x.numel() for x in self._xs]
+        self._shapes = (
+            [torch.Size(s) for s in shapes] if shapes is not None else [x.shape for x in self._xs]
+        )
         n = sum(self._sizes)
+        self.vectorize = n <= _VECTORIZE_MAX if vectorize is None else vectorize
         self.shape = (n, n)
         self.dtype = self._xs[0].dtype
         self.device = self._xs[0].device
@@ -185,15 +198,16 @@ class HVPOperator:
 
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Concatenate tensors shaped like the arguments into one vector ``[n]``."""
-        _check_like(tensors, self._xs, self._call, "tensors", "argument")
+        refs = [torch.empty(s, device="meta") for s in self._shapes]
+        _check_like(tensors, refs, self._call, "tensors", "argument")
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
         """Split a vector ``[n]`` (or ``[n, k]``) into pieces shaped like the arguments."""
         tail = vector.shape[1:]
+        sizes = [s.numel() for s in self._shapes]
         return [
-            p.reshape((*x.shape, *tail))
-            for p, x in zip(vector.split(self._sizes), self._xs, strict=True)
+            p.reshape((*s, *tail)) for p, s in zip(vector.split(sizes), self._shapes, strict=True)
         ]
 
     def _check_vector(self, v: Any) -> torch.Tensor:
@@ -215,6 +229,8 @@ class HVPOperator:
         return self._apply(self._check_vector(v))
 
     def _apply(self, v: torch.Tensor) -> torch.Tensor:
+        if len(self._xs) == 1:  # one flat leaf: no split, no concatenation
+            return _second_grads(self._gs, self._xs, [v.view(self._xs[0].shape)])[0].reshape(-1)
         vs = [p.view(x.shape) for p, x in zip(v.split(self._sizes), self._xs, strict=True)]
         return torch.cat([r.reshape(-1) for r in _second_grads(self._gs, self._xs, vs)])
 
@@ -223,6 +239,8 @@ class HVPOperator:
         return self._apply_columns(self._check_vector(V))
 
     def _apply_columns(self, V: torch.Tensor) -> torch.Tensor:
+        if not self.vectorize:
+            return torch.stack([self._apply(c) for c in V.T], dim=1)
         k = V.shape[1]
         step = k if self.chunk_size is None else self.chunk_size
         cols = []
@@ -284,7 +302,11 @@ class HVPOperator:
 
 
 def hvp_operator(
-    f: Callable[..., torch.Tensor], args: Any, *, chunk_size: int | None = None
+    f: Callable[..., torch.Tensor],
+    args: Any,
+    *,
+    chunk_size: int | None = None,
+    vectorize: bool | None = None,
 ) -> HVPOperator:
     r"""The Hessian of ``f`` at ``args`` as a reusable operator (first gradient computed once).
 
@@ -292,6 +314,9 @@ def hvp_operator(
         f: function of tensors returning a scalar tensor.
         args: a tensor or a tuple of tensors of one dtype (the point).
         chunk_size: how many columns ``op @ V`` pushes through one vectorized backward.
+        vectorize: whether ``op @ V`` vectorizes over columns (``is_grads_batched``) or loops;
+            default: vectorize up to 10,000 elements, where per-operation overhead dominates,
+            loop above (a batched backward of a large model is slower per column on CPU).
 
     Returns:
         An :class:`HVPOperator` of shape ``(n, n)``, ``n`` the total number of elements.
@@ -309,7 +334,20 @@ def hvp_operator(
     """
     call = f"hvp_operator({_name(f)})"
     primals, _ = _as_tuple(args, call, "args")
+    _check_one_dtype(primals, call)
     with torch.enable_grad():
-        xs = [p.detach().requires_grad_(True) for p in primals]
-        value = f(*xs)
-        return HVPOperator(value, xs, chunk_size=chunk_size, call=call)
+        # one flat leaf with the arguments as views: products need no split or concatenation
+        flat = torch.cat([p.detach().reshape(-1) for p in primals]).requires_grad_(True)
+        views = [
+            t.view(p.shape)
+            for t, p in zip(flat.split([p.numel() for p in primals]), primals, strict=True)
+        ]
+        value = f(*views)
+        return HVPOperator(
+            value,
+            [flat],
+            chunk_size=chunk_size,
+            call=call,
+            shapes=[p.shape for p in primals],
+            vectorize=vectorize,
+        )
