@@ -90,7 +90,9 @@ class OuterProduct(PerExampleGrad):
 
     def _block(self, start: int, stop: int) -> torch.Tensor:
         a, g = self.A[start:stop], self.G[start:stop]
-        if self.groups == 1:
+        if self.T == 1 and self.groups == 1:  # outer products: a broadcast multiply
+            out = g[:, 0, 0, :, None] * a[:, 0, 0, None, :]
+        elif self.groups == 1:
             out = torch.bmm(g[:, :, 0].transpose(1, 2), a[:, :, 0])  # [n, o, i]
         else:
             out = torch.einsum("ntgo,ntgi->ngoi", g, a)

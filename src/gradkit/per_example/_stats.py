@@ -197,7 +197,9 @@ class ParamStats:
             )
         if not self._acc.l2:
             return torch.zeros(0, dtype=self._acc.dtype)
-        return torch.cat(self._acc.l2)
+        if len(self._acc.l2) > 1:  # merge once, keep the merged tensor
+            self._acc.l2 = [torch.cat(self._acc.l2)]
+        return self._acc.l2[0]
 
     @property
     def batch_grad(self) -> torch.Tensor:
@@ -209,4 +211,6 @@ class ParamStats:
             )
         if not self._acc.grads:
             return torch.zeros((0, *self._acc.shape), dtype=self._acc.dtype)
-        return torch.cat(self._acc.grads)
+        if len(self._acc.grads) > 1:  # merge once, keep the merged tensor
+            self._acc.grads = [torch.cat(self._acc.grads)]
+        return self._acc.grads[0]

@@ -1,17 +1,23 @@
 """``nn.Conv1d/2d/3d`` with stride, padding (numbers, ``"same"``, ``"valid"``, any padding
-mode), dilation, groups and bias: exact, by patches.
+mode), dilation, groups and bias: exact.
 
-The input is unfolded into patches ``A[n, t, g, i]`` (``t`` output position, ``i`` = input
-channels of group ``g`` times kernel positions) and the output gradient reshaped to
-``G[n, t, g, o]``; then ``g_n(W) = sum_t G[n, t]^T A[n, t]`` per group (an
-:class:`OuterProduct`) and ``g_n(b) = sum_t G[n, t]``. The sum over positions is taken before any
-power: TensorFlow's ``gradient_moment.py`` takes ``sum_t (.)^p`` instead and is 31-47 % off.
+With patches ``A[n, t, g, i]`` (``t`` output position, ``i`` = input channels of group ``g``
+times kernel positions) and the output gradient ``G[n, t, g, o]``, the per-example weight
+gradient is ``g_n(W) = sum_t G[n, t]^T A[n, t]`` per group and ``g_n(b) = sum_t G[n, t]``.
+It is materialized in chunks by one grouped weight-gradient convolution (examples as groups,
+about twice as fast on CPU as unfold and a batched product); squared norms use the Gram form
+``<A_n A_n^T, G_n G_n^T>`` over unfolded patches when that is cheaper. The sum over positions is
+taken before any power: TensorFlow's ``gradient_moment.py`` takes ``sum_t (.)^p`` instead and
+is 31-47 % off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+import torch.nn.grad
 from torch import nn
 
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
@@ -54,26 +60,91 @@ def unfold_patches(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Te
     return x.reshape(n, c * x.shape[2 : 2 + spatial].numel(), -1)
 
 
+_WEIGHT_GRAD = {
+    1: torch.nn.grad.conv1d_weight,
+    2: torch.nn.grad.conv2d_weight,
+    3: torch.nn.grad.conv3d_weight,
+}
+
+
+class ConvWeightGrad(PerExampleGrad):
+    """Per-example convolution weight gradients, materialized in chunks by one grouped
+    weight-gradient convolution per chunk (the examples become groups), with norms in Gram form
+    over unfolded patches when the cost model prefers it.
+
+    Args:
+        module: the convolution.
+        uses: ``(input, grad_output)`` per use, batch first, in the accumulation dtype.
+    """
+
+    def __init__(
+        self, module: nn.modules.conv._ConvNd, uses: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self.module, self.uses = module, uses
+        self.num_examples = uses[0][1].shape[0]
+        self.shape = module.weight.shape
+        spatial = module.weight.dim() - 2
+        self._wgrad = _WEIGHT_GRAD[spatial]
+        self._pads = _pads(module, spatial)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        self._padded = [F.pad(x, self._pads, mode=mode) if any(self._pads) else x for x, _ in uses]
+
+    def _block(self, start: int, stop: int) -> torch.Tensor:
+        m, n = self.module, stop - start
+        total: torch.Tensor | None = None
+        for x, (_, g) in zip(self._padded, self.uses, strict=True):
+            xs, gs = x[start:stop], g[start:stop]
+            w = self._wgrad(
+                xs.reshape(1, -1, *xs.shape[2:]),
+                (n * self.shape[0], *self.shape[1:]),
+                gs.reshape(1, -1, *gs.shape[2:]),
+                stride=m.stride,
+                padding=0,
+                dilation=m.dilation,
+                groups=n * m.groups,
+            )
+            total = w if total is None else total.add_(w)
+        assert total is not None
+        return total.reshape(n, *self.shape)
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        for start in range(0, self.num_examples, size):
+            yield self._block(start, min(start + size, self.num_examples))
+
+    def _patches(self) -> OuterProduct:
+        n, m = self.num_examples, self.module
+        a_parts, g_parts = [], []
+        for x, g in self.uses:
+            p = unfold_patches(x, m)  # [N, C_in*K, L]
+            a_parts.append(p.reshape(n, m.groups, -1, p.shape[-1]).permute(0, 3, 1, 2))
+            g_parts.append(
+                g.reshape(n, m.groups, m.out_channels // m.groups, -1).permute(0, 3, 1, 2)
+            )
+        return OuterProduct(cat_positions(a_parts), cat_positions(g_parts), self.shape)
+
+    def sq_norms(self) -> torch.Tensor | None:
+        m = self.module
+        positions = sum(g[0, 0].numel() for _, g in self.uses)
+        i = self.shape[1:].numel()
+        o = m.out_channels // m.groups
+        if positions * (i + o) >= i * o:  # Gram form not cheaper: materialize
+            return None
+        return self._patches().sq_norms()
+
+
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``nn.ConvNd`` (see the module docstring)."""
     assert isinstance(module, nn.modules.conv._ConvNd)
     n = uses[0].grad_output.shape[0]
-    groups, c_out = module.groups, module.out_channels
     dtype = acc_dtype(uses[0].grad_output.dtype)
-    a_parts, g_parts = [], []
-    for u in uses:
-        x = u.inputs[0]
-        grad = u.grad_output.reshape(n, c_out, -1)  # [N, C_out, L]
-        g_parts.append(grad.reshape(n, groups, c_out // groups, -1).permute(0, 3, 1, 2))
-        if "weight" in ctx.params:
-            p = unfold_patches(x, module)  # [N, C_in*K, L]
-            a_parts.append(p.reshape(n, groups, -1, p.shape[-1]).permute(0, 3, 1, 2))
-    g = cat_positions(g_parts).to(dtype)  # [N, T, groups, o]
+    pairs = [(u.inputs[0].to(dtype), u.grad_output.to(dtype)) for u in uses]
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
-        a = cat_positions(a_parts).to(dtype)
-        out["weight"] = OuterProduct(a, g, ctx.params["weight"].shape)
+        pe = ConvWeightGrad(module, pairs)
+        one_position = len(pairs) == 1 and pairs[0][1][0, 0].numel() == 1
+        out["weight"] = pe._patches() if one_position else pe  # closed forms for 1 position
     if "bias" in ctx.params:
-        out["bias"] = Materialized(g.sum(1).reshape(n, c_out))
+        sums = [g.reshape(n, module.out_channels, -1).sum(-1) for _, g in pairs]
+        out["bias"] = Materialized(torch.stack(sums).sum(0) if len(sums) > 1 else sums[0])
     return out
