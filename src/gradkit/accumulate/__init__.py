@@ -1,0 +1,13 @@
+"""gradkit.accumulate: exact gradient accumulation.
+
+* micro-batch accumulation that reproduces the large-batch gradient exactly;
+* ``ConditionalAccumulator`` / ``SparseConditionalAccumulator`` with TensorFlow's staleness
+  semantics, and a process-group version over torch.distributed.
+"""
+
+from gradkit.accumulate._conditional import *  # noqa: F403
+from gradkit.accumulate._conditional import __all__ as _conditional_all
+from gradkit.accumulate._micro import *  # noqa: F403
+from gradkit.accumulate._micro import __all__ as _micro_all
+
+__all__ = [*_conditional_all, *_micro_all]
