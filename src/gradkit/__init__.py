@@ -6,11 +6,13 @@ Pillars (each a subpackage):
   with automatic forward/reverse choice, Hessians, HVP operators, ``custom_gradient``.
 * :mod:`gradkit.per_example`: statistics of individual gradients (moments, variance, norms,
   per-example gradients) inside one batched backward pass.
+* :mod:`gradkit.accumulate`: exact micro-batch accumulation, TensorFlow's
+  ConditionalAccumulator with its traps fixed, data-parallel training.
 * :mod:`gradkit.testing`: the oracles every result is checked against.
 """
 
-from gradkit import func, per_example, testing
+from gradkit import accumulate, func, per_example, testing
 from gradkit._errors import GradkitError
 from gradkit._version import __version__
 
-__all__ = ["GradkitError", "__version__", "func", "per_example", "testing"]
+__all__ = ["GradkitError", "__version__", "accumulate", "func", "per_example", "testing"]

@@ -25,8 +25,9 @@ def model():
 
 
 def token_sum(m, t, lab):
-    return F.cross_entropy(m(t).reshape(-1, 10), lab.reshape(-1), ignore_index=-100,
-                           reduction="sum")
+    return F.cross_entropy(
+        m(t).reshape(-1, 10), lab.reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 class Capture(torch.optim.SGD):
@@ -62,8 +63,15 @@ def main(out_dir: str, mode: str) -> None:
             with acc.micro_step(count=int((lab != -100).sum())):
                 acc.backward(token_sum(net, t, lab))
         result = acc.step()
-        torch.save({"grads": opt.seen[0], "count": result.count, "comm_calls": len(calls),
-                    "micro_steps": result.micro_steps}, f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {
+                "grads": opt.seen[0],
+                "count": result.count,
+                "comm_calls": len(calls),
+                "micro_steps": result.micro_steps,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 

@@ -28,10 +28,22 @@ def launch(tmp_path, mode: str) -> list[dict]:
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), mode],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(tmp_path), mode],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     for p in procs:
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out.decode()
@@ -47,7 +59,8 @@ def reference():
     net = w.model()
     loss = w.token_sum(net, tokens, labels) / (labels != -100).sum()
     return [g.detach() for g in torch.autograd.grad(loss, list(net.parameters()))], int(
-        (labels != -100).sum())
+        (labels != -100).sum()
+    )
 
 
 @pytest.mark.parametrize("mode", ["ddp", "plain"])

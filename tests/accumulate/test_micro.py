@@ -51,7 +51,7 @@ def test_example_mean_unequal_micro_batches(sizes):
     acc = Accumulator(model, opt)
     start = 0
     for s in sizes:
-        xb, yb = x[start:start + s], y[start:start + s]
+        xb, yb = x[start : start + s], y[start : start + s]
         with acc.micro_step(count=s):
             acc.backward(F.mse_loss(model(xb), yb, reduction="none").sum())
         start += s
@@ -82,8 +82,9 @@ def test_token_mean_with_padding_via_split():
     labels[torch.arange(7)[None, :] >= lengths[:, None]] = -100  # padding
 
     def token_sum(m, t, lab):
-        return F.cross_entropy(m(t).reshape(-1, 10), lab.reshape(-1), ignore_index=-100,
-                               reduction="sum")
+        return F.cross_entropy(
+            m(t).reshape(-1, 10), lab.reshape(-1), ignore_index=-100, reduction="sum"
+        )
 
     want = full_batch(model, lambda m: token_sum(m, tokens, labels) / (labels != -100).sum())
     opt = Capture(model.parameters())
@@ -101,7 +102,7 @@ def test_short_last_window_is_its_own_mean():
     opt = Capture(model.parameters())
     acc = Accumulator(model, opt)
     for start in range(0, 10, 4):  # windows of 4, 4, 2 examples, micro-batches of 2
-        for xb, yb in acc.split((x[start:start + 4], y[start:start + 4]), micro_batch_size=2):
+        for xb, yb in acc.split((x[start : start + 4], y[start : start + 4]), micro_batch_size=2):
             with acc.micro_step():
                 acc.backward(F.mse_loss(model(xb), yb, reduction="sum"))
         acc.step()
@@ -182,11 +183,9 @@ def test_errors():
         acc.backward(model(torch.randn(2, 4)).sum())
     with pytest.raises(GradkitError, match="no micro-step in this window"):
         acc.step()
-    with pytest.raises(ValueError, match="count: expected the number of tokens"), \
-            acc.micro_step():
+    with pytest.raises(ValueError, match="count: expected the number of tokens"), acc.micro_step():
         pass
-    with pytest.raises(ValueError, match="normalize: expected one of 'examples', 'tokens', "
-                                         "'sum'"):
+    with pytest.raises(ValueError, match="normalize: expected one of 'examples', 'tokens', 'sum'"):
         Accumulator(model, opt, normalize="mean")
     with pytest.raises(ValueError, match="max_grad_norm"):
         Accumulator(model, opt, max_grad_norm=0)

@@ -1,0 +1,236 @@
+"""Choosing batch sizes: the largest micro-batch that fits a memory budget, and an adaptive
+number of micro-batches per step from the statistics of individual gradients.
+
+Micro-batch size never changes the result of :class:`~gradkit.accumulate.Accumulator` (it is
+exact for any split), only memory and speed, so it can be chosen freely.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradkit._errors import GradkitError, describe, message
+from gradkit._validate import check_choice
+from gradkit.accumulate._micro import _batch_size, _slice
+
+__all__ = ["AdaptiveBatchSize", "activation_bytes", "find_micro_batch_size"]
+
+
+def activation_bytes(
+    model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], micro_batch: Any
+) -> int:
+    """Bytes the forward pass of ``loss_fn(model, micro_batch)`` saves for backward (the
+    activation memory of one micro-step): each saved tensor once, parameters excluded.
+
+    The backward runs too (so the graph is freed); gradients the parameters held before are
+    restored afterwards.
+    """
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()  # the saved view, not its whole storage
+        seen[(t.data_ptr(), nbytes)] = nbytes
+        return t
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(model, micro_batch)
+        loss.backward()
+    finally:
+        for p, g in zip(params, before, strict=True):
+            p.grad = g
+    param_ptrs = {p.data_ptr() for p in model.parameters()}
+    return sum(b for (ptr, _), b in seen.items() if ptr not in param_ptrs)
+
+
+def find_micro_batch_size(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    *,
+    budget_bytes: int | None = None,
+    max_size: int | None = None,
+) -> int:
+    """The largest micro-batch size (at most the batch's) whose micro-step fits.
+
+    With ``budget_bytes`` (any device): the activation bytes of a micro-step (see
+    :func:`activation_bytes`) must stay within the budget; they are measured at a small size,
+    extrapolated linearly, then checked at the chosen size (and the size lowered until it
+    fits). Without a budget on CUDA: sizes are tried from the largest down, halving on
+    out-of-memory. The result is exact whatever the size: only memory and speed change.
+
+    Args:
+        model: the model.
+        loss_fn: ``loss_fn(model, micro_batch) -> summed loss``.
+        batch: a full batch (tensor, or tuple/list/dict of tensors, examples along dim 0).
+        budget_bytes: the activation memory allowed per micro-step.
+        max_size: an upper bound (default: the batch size).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.accumulate import activation_bytes, find_micro_batch_size
+        >>> model = nn.Sequential(nn.Linear(100, 100), nn.Tanh(), nn.Linear(100, 1))
+        >>> batch = torch.randn(64, 100)
+        >>> loss_fn = lambda m, b: m(b).sum()
+        >>> per_8 = activation_bytes(model, loss_fn, batch[:8])
+        >>> find_micro_batch_size(model, loss_fn, batch, budget_bytes=2 * per_8)
+        16
+    """
+    call = "find_micro_batch_size(model, loss_fn, batch)"
+    n = _batch_size(batch)
+    top = min(n, max_size) if max_size is not None else n
+    if top < 1:
+        raise ValueError(
+            message(
+                call, "batch", "at least one example", describe(batch), "pass a non-empty batch"
+            )
+        )
+    if budget_bytes is None:
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(
+                message(
+                    call,
+                    "budget_bytes",
+                    f"a byte budget on a {device.type} device",
+                    "None",
+                    "pass budget_bytes= (out-of-memory probing is for CUDA only)",
+                )
+            )
+        size = top
+        while size >= 1:
+            try:
+                activation_bytes(model, loss_fn, _slice(batch, 0, size))
+                return size
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                size //= 2
+        raise GradkitError(f"{call}: even a micro-batch of 1 example runs out of memory")
+    probe = min(top, 4)
+    per_example = activation_bytes(model, loss_fn, _slice(batch, 0, probe)) / probe
+    size = top if per_example <= 0 else max(1, min(top, int(budget_bytes // per_example)))
+    while size > 1 and activation_bytes(model, loss_fn, _slice(batch, 0, size)) > budget_bytes:
+        size = max(1, int(size * 0.9) if size > 10 else size - 1)
+    return size
+
+
+@dataclass
+class AdaptiveBatchSize:
+    """Sets the number of micro-batches per step from statistics of individual gradients.
+
+    Rules (from ``stats`` of :func:`gradkit.per_example.track` over the last window, with
+    ``"variance"`` tracked):
+
+    * ``"cabs"`` (Balles et al. 2017): ``B = lr * tr(Sigma) / loss``;
+    * ``"noise_scale"`` (McCandlish et al. 2018): ``B = tr(Sigma) / |G|^2``.
+
+    The estimate is smoothed (exponential moving average), turned into a number of
+    micro-batches ``ceil(B / micro_batch_size)`` and clipped to ``[min_micro, max_micro]``.
+    Every update is logged in :attr:`history`.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import gradkit
+        >>> model = nn.Linear(4, 1)
+        >>> ctl = gradkit.accumulate.AdaptiveBatchSize(micro_batch_size=8, max_micro=16)
+        >>> with gradkit.per_example.track(model, "variance") as stats:
+        ...     model(torch.randn(8, 4)).pow(2).mean().backward()
+        >>> 1 <= ctl.update(stats) <= 16
+        True
+    """
+
+    micro_batch_size: int
+    rule: str = "noise_scale"
+    min_micro: int = 1
+    max_micro: int = 64
+    smoothing: float = 0.5
+    lr: float | None = None
+    num_micro: int = 1
+    history: list[dict[str, float]] = field(default_factory=list)
+    _ema: float | None = None
+
+    def __post_init__(self) -> None:
+        call = "AdaptiveBatchSize(...)"
+        check_choice(self.rule, ("noise_scale", "cabs"), call, "rule")
+        if self.rule == "cabs" and (self.lr is None or not self.lr > 0):
+            raise ValueError(
+                message(
+                    call,
+                    "lr",
+                    "the (positive) learning rate for the CABS rule",
+                    repr(self.lr),
+                    "pass lr=...",
+                )
+            )
+        if not 1 <= self.min_micro <= self.max_micro:
+            raise ValueError(
+                message(
+                    call,
+                    "min_micro / max_micro",
+                    "1 <= min_micro <= max_micro",
+                    f"{self.min_micro} / {self.max_micro}",
+                    "fix the bounds",
+                )
+            )
+        if not 0 <= self.smoothing < 1:
+            raise ValueError(
+                message(
+                    call,
+                    "smoothing",
+                    "a number in [0, 1)",
+                    repr(self.smoothing),
+                    "pass e.g. smoothing=0.5",
+                )
+            )
+        self.num_micro = min(max(self.num_micro, self.min_micro), self.max_micro)
+
+    def update(self, stats: Mapping[str, Any], loss: float | torch.Tensor | None = None) -> int:
+        """Read the window's statistics; return the number of micro-batches for the next."""
+        from gradkit.per_example import cabs_batch_size, noise_scale
+
+        if self.rule == "cabs":
+            if loss is None:
+                raise ValueError(
+                    message(
+                        "AdaptiveBatchSize.update(stats, loss)",
+                        "loss",
+                        "the window's loss (rule='cabs')",
+                        "None",
+                        "pass loss=...",
+                    )
+                )
+            assert self.lr is not None
+            estimate = float(cabs_batch_size(stats, self.lr, loss, max_size=10**12))
+        else:
+            estimate = noise_scale(stats)
+        if math.isfinite(estimate):
+            self._ema = (
+                estimate
+                if self._ema is None
+                else (self.smoothing * self._ema + (1 - self.smoothing) * estimate)
+            )
+        target = self._ema if self._ema is not None else float(self.micro_batch_size)
+        wanted = math.ceil(max(target, 1.0) / self.micro_batch_size)
+        self.num_micro = min(max(wanted, self.min_micro), self.max_micro)
+        self.history.append(
+            {
+                "step": float(len(self.history) + 1),
+                "estimate": estimate,
+                "smoothed": target,
+                "num_micro": float(self.num_micro),
+                "batch_size": float(self.num_micro * self.micro_batch_size),
+            }
+        )
+        return self.num_micro
