@@ -189,9 +189,11 @@ def test_errors():
         Accumulator(model, opt, normalize="mean")
     with pytest.raises(ValueError, match="max_grad_norm"):
         Accumulator(model, opt, max_grad_norm=0)
-    with pytest.raises(ValueError, match=r"loss: expected a scalar tensor"):
-        with acc.micro_step(count=2):
-            acc.backward(model(torch.randn(2, 4)))
+    with (
+        pytest.raises(ValueError, match=r"loss: expected a scalar tensor"),
+        acc.micro_step(count=2),
+    ):
+        acc.backward(model(torch.randn(2, 4)))
     model(torch.randn(2, 4)).sum().backward()  # stale gradients before the first window
     fresh = Accumulator(model, opt)
     with pytest.raises(GradkitError, match="already hold gradients"), fresh.micro_step(1):
