@@ -20,6 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = [
     "training_curves.png",
     "gradient_stats.png",
+    "accumulation.png",
     "saliency.png",
     "hessian_power_iteration.png",
 ]
@@ -87,6 +88,14 @@ def test_gradient_statistics_recorded_over_training(metrics: dict[str, Any]) -> 
     for r in records:
         assert r["noise_scale"] > 0 and math.isfinite(r["noise_scale"])
         assert set(r["layers"]) == {"0", "2", "5", "7"}
+
+
+def test_accumulation_is_exact_and_naive_is_not(metrics: dict[str, Any]) -> None:
+    check = metrics["exact_accumulation"]["exactness"]
+    assert check["max_abs_diff"] < 1e-5 * max(1.0, check["max_abs_gradient"])
+    assert check["naive_max_abs_diff"] > 100 * check["max_abs_diff"]
+    history = metrics["exact_accumulation"]["adaptive_history"]
+    assert history and all(1 <= h["num_micro"] <= 16 for h in history)
 
 
 def test_metrics_are_sane(metrics: dict[str, Any]) -> None:

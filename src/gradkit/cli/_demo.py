@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradkit import __version__
+from gradkit.cli._accumulation import accumulation_markdown
 from gradkit.cli._gradstats import GradStatsRecorder, gradient_stats_markdown
 from gradkit.cli._report import Plot, Report
 from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
@@ -227,11 +228,26 @@ def gradient_stats_section(ctx: DemoContext, report: Report) -> None:
     report.add_section("Statistics of individual gradients", markdown, [plot], metrics=metrics)
 
 
+def accumulation_section(ctx: DemoContext, report: Report) -> None:
+    """``gradkit.accumulate``: exact micro-batches, batch 32 vs 256, adaptive batch size."""
+    markdown, figure, metrics = accumulation_markdown(
+        make_model,
+        ctx.model,
+        ctx.data,
+        epochs=ctx.config.epochs,
+        lr=ctx.config.lr,
+        seed=ctx.config.seed,
+    )
+    plot = Plot("accumulation", figure, "Batch 32 vs exact batch 256, and the adaptive batch size")
+    report.add_section("Exact accumulation", markdown, [plot], metrics=metrics)
+
+
 #: The demo's sections, in report order; append a function to add a section.
 SECTIONS: list[Section] = [
     setup_section,
     training_section,
     gradient_stats_section,
+    accumulation_section,
     showcase_section,
 ]
 

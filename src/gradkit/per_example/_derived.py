@@ -88,7 +88,7 @@ def cabs_batch_size(
 ) -> int:
     """The CABS batch size ``lr * tr(Sigma) / loss``, rounded and clipped to
     ``[min_size, max_size]`` (Balles et al. 2017)."""
-    loss_value = float(loss)
+    loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     if not loss_value > 0:
         raise ValueError(
             message(
