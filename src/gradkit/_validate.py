@@ -9,7 +9,13 @@ import torch
 
 from gradkit._errors import describe, message
 
-__all__ = ["as_tensor_list", "check_choice", "is_batching_error", "normalize_argnums"]
+__all__ = [
+    "as_tensor_list",
+    "check_choice",
+    "check_module",
+    "is_batching_error",
+    "normalize_argnums",
+]
 
 
 def normalize_argnums(argnums: Any, nargs: int, call: str) -> tuple[int, ...]:
@@ -121,3 +127,11 @@ def is_batching_error(err: BaseException) -> bool:
     return "out of memory" not in text and any(
         w in text for w in ("vmap", "batching rule", "batched", "is_grads_batched")
     )
+
+
+def check_module(model: Any, call: str, fix: str = "pass the model itself") -> None:
+    """Raise a TypeError naming ``call`` unless ``model`` is a ``torch.nn.Module``."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(message(call, "model", "a torch.nn.Module", describe(model), fix))

@@ -4,49 +4,20 @@ single-process full-batch gradient; DDP all-reduces once per window."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from gradkit.testing import run_ranks
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 WORKER = pathlib.Path(__file__).with_name("_ddp_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(tmp_path, mode: str) -> list[dict]:
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(tmp_path), mode],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0, out.decode()
+    run_ranks(WORKER, [str(tmp_path), mode])
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

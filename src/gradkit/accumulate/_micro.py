@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_choice, check_module
 
 __all__ = ["Accumulator", "StepResult", "split_batch"]
 
@@ -180,16 +180,7 @@ class Accumulator:
         group: Any = None,
     ) -> None:
         call = "Accumulator(model, optimizer)"
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                message(
-                    call,
-                    "model",
-                    "a torch.nn.Module",
-                    describe(model),
-                    "pass the model being trained",
-                )
-            )
+        check_module(model, call, "pass the model being trained")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 message(

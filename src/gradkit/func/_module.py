@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradkit._errors import describe, message
+from gradkit._validate import check_module
 from gradkit.func._hvp import HVPOperator, _second_grads
 from gradkit.func._transforms import _check_scalar, hessian, jacobian
 
@@ -40,10 +41,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def _select(model: nn.Module, params: Iterable[str] | None, call: str) -> dict[str, torch.Tensor]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            message(call, "model", "a torch.nn.Module", describe(model), "pass the model itself")
-        )
+    check_module(model, call, "pass the model itself")
     named: dict[str, torch.Tensor] = dict(model.named_parameters())
     if params is None:
         chosen = {n: p for n, p in named.items() if p.requires_grad}

@@ -35,7 +35,7 @@ from torch.autograd.graph import Node
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, find_rule
@@ -140,16 +140,7 @@ class Tracker(Mapping[str, ParamStats]):
         chunk_size: int | None,
     ) -> None:
         call = "per_example.track(model, ...)"
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                message(
-                    call,
-                    "model",
-                    "a torch.nn.Module",
-                    describe(model),
-                    "pass the model whose parameters to track",
-                )
-            )
+        check_module(model, call, "pass the model whose parameters to track")
         for q in quantities:
             check_choice(q, QUANTITIES, call, "quantities")
         for p in moments:

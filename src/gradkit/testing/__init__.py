@@ -4,9 +4,11 @@
 * :func:`finite_difference_grad`, :func:`finite_difference_jacobian`,
   :func:`finite_difference_hvp`: central differences in float64;
 * :func:`tolerances` and :func:`assert_close`: one tolerance policy by dtype, every mismatch
-  reported.
+  reported;
+* :func:`run_ranks`: a script as several gloo ranks on this machine, for distributed tests.
 """
 
+from gradkit.testing._distributed import free_port, run_ranks
 from gradkit.testing._oracles import (
     finite_difference_grad,
     finite_difference_hvp,
@@ -20,6 +22,8 @@ __all__ = [
     "finite_difference_grad",
     "finite_difference_hvp",
     "finite_difference_jacobian",
+    "free_port",
     "per_example_grads",
+    "run_ranks",
     "tolerances",
 ]
