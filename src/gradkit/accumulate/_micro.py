@@ -292,7 +292,8 @@ class Accumulator:
                     "pass the number of items the summed loss covers",
                 )
             )
-        self._check_batchnorm()
+        if self._micro_steps == 0:
+            self._check_batchnorm()  # once per window
         sync = not self._split_sizes or self._split_last
         ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self._ddp and not sync:
@@ -369,12 +370,13 @@ class Accumulator:
         dist.all_reduce(t, group=self.group)
         return float(t.item())
 
-    def _reduce_grads(self, count: float) -> None:
+    def _reduce_grads(self, count: float) -> bool:
         """Turn the summed gradients into the window's gradient: all-reduce if DDP did not
-        (exactly one all-reduce per window), then divide by the total count."""
+        (exactly one all-reduce per window), then divide by the total count. Returns whether
+        every gradient is finite (checked in the same pass when no AMP scaler decides)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return
+            return True
         world = dist.get_world_size(self.group) if self._distributed else 1
         scale = 1.0
         if self._distributed and not self._last_synced:
@@ -393,8 +395,17 @@ class Accumulator:
                     "number of items with micro_step(count=...)"
                 )
             scale /= count
+        check = self.scaler is None and self.skip_nonfinite
+        device = grads[0].device
+        if check and all(g.device == device and not g.is_sparse for g in grads):
+            # one fused pass: multiply by `scale` and look for inf/NaN (AMP's own kernel)
+            found = torch.zeros(1, device=device)
+            inv = torch.full((1,), scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            return bool(found.item() == 0)
         if scale != 1.0:
             torch._foreach_mul_(grads, scale)
+        return not check or all(bool(torch.isfinite(g).all()) for g in grads)
 
     def step(self) -> StepResult:
         """End the window: reduce, normalize, unscale, clip, step (or skip), zero the grads."""
@@ -406,7 +417,7 @@ class Accumulator:
                 "one `with acc.micro_step(): acc.backward(loss)` first"
             )
         count = self._global_count()
-        self._reduce_grads(count)
+        finite = self._reduce_grads(count)
         norm: float | None = None
         reason: str | None = None
         stepped = True
@@ -422,11 +433,6 @@ class Accumulator:
             if self.scaler.get_scale() < before:
                 stepped, reason = False, "amp overflow"
         else:
-            finite = (
-                all(bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None)
-                if self.skip_nonfinite
-                else True
-            )
             if finite:
                 self.optimizer.step()
             else:
