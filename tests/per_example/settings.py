@@ -101,6 +101,30 @@ class ScaleShift(nn.Module):
         return torch.sin(x * self.scale) + self.shift * x.pow(2)
 
 
+class Recurrent(nn.Module):
+    """An RNN/GRU/LSTM (output and state: several outputs, no batching rule) with a head."""
+
+    def __init__(self, kind: type[nn.Module]) -> None:
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class Attention(nn.Module):
+    """MultiheadAttention: uses its out_proj parameters without calling out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x)[0]
+
+
 def seq(*mods: nn.Module) -> Callable[[], nn.Module]:
     return lambda: nn.Sequential(*mods)
 
@@ -184,6 +208,12 @@ SETTINGS = [
             + 0.1 * out.pow(2).sum((1, 2))
         ),
     ),
+]
+SETTINGS += [
+    Setting("rnn", lambda: Recurrent(nn.RNN), xy((5, 3), (2,)), cubic_loss),
+    Setting("gru", lambda: Recurrent(nn.GRU), xy((4, 3), (2,)), cubic_loss),
+    Setting("lstm", lambda: Recurrent(nn.LSTM), xy((4, 3), (2,)), cubic_loss),
+    Setting("multihead_attention", Attention, xy((3, 4), (3, 4)), cubic_loss),
 ]
 if hasattr(nn, "RMSNorm"):
     SETTINGS.append(Setting("rmsnorm", lambda: nn.RMSNorm(4), xy((3, 4), (3, 4)), cubic_loss))

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_module
@@ -79,15 +80,13 @@ def _canonical(t: Any, batch_dim: int) -> Any:
 
 
 def _param_edges(
-    root: Node | None, stops: set[Node], targets: dict[Node, int]
+    roots: Sequence[Node | None], stops: set[Node], targets: dict[Node, int]
 ) -> dict[int, list[tuple[Node, int]]]:
-    """Edges ``(node, k)`` of the graph below ``root`` whose k-th input is a target parameter,
+    """Edges ``(node, k)`` of the graph below ``roots`` whose k-th input is a target parameter,
     not descending past ``stops`` (the graph that existed before the module's forward)."""
     found: dict[int, list[tuple[Node, int]]] = {}
-    if root is None:
-        return found
     seen: set[Node] = set()
-    stack = [root]
+    stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
         if node in seen or node in stops:
@@ -189,12 +188,19 @@ class Tracker(Mapping[str, ParamStats]):
         self._accs: dict[int, _Acc] = {}
         self._states: list[_ModuleState] = []
         owners: dict[int, int] = {}
+        claimed: list[str] = []  # subtrees a fallback module differentiates as a whole
         for name, module in model.named_modules():
+            if any(name == c or name.startswith(c + ".") for c in claimed):
+                continue
             own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
             if not own:
                 continue
             rule = find_rule(module)
             if rule is None:
+                # the fallback takes the whole subtree: a module may use its children's
+                # parameters without calling them (MultiheadAttention and out_proj)
+                own = {n: p for n, p in module.named_parameters() if p.requires_grad}
+                claimed.append(name)
                 if fallback == "error":
                     raise GradkitError(
                         message(
@@ -271,19 +277,21 @@ class Tracker(Mapping[str, ParamStats]):
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if not isinstance(output, torch.Tensor):
+            leaves, spec = tree_flatten(output)
+            live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not any(isinstance(t, torch.Tensor) for t in leaves):  # pragma: no cover
                 raise GradkitError(
                     f"per_example.track: module {st.name or 'model'} "
-                    f"({type(module).__name__}) returned {describe(output)}; "
-                    "only modules returning one tensor can be tracked"
+                    f"({type(module).__name__}) returned {describe(output)}; a tracked module "
+                    "must return tensors"
                 )
-            if self._in_rule or not output.requires_grad:
+            if self._in_rule or not live:
                 return  # a rule re-running the forward (vmap fallback), or no backward coming
             bd = self._batch_dim
             inputs = tuple(
                 _canonical(a.detach() if isinstance(a, torch.Tensor) else a, bd) for a in args
             )
-            out = _canonical(output, bd)
+            out = _canonical(live[0], bd)
             n = out.shape[0] if out.dim() > 0 else 0
             stops = {
                 a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None
@@ -292,11 +300,26 @@ class Tracker(Mapping[str, ParamStats]):
             for local, p in st.params.items():
                 if p.is_leaf:
                     targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
-            edges = _param_edges(output.grad_fn, stops, targets)
-            leaves = {pid: node for node, pid in targets.items()}
-            record = _UseRecord(inputs, kwargs, n, edges, leaves)
+            edges = _param_edges([t.grad_fn for t in live], stops, targets)
+            record = _UseRecord(inputs, kwargs, n, edges, {pid: nd for nd, pid in targets.items()})
             st.forward_count += 1
-            output.register_hook(lambda g: self._on_output_grad(st, record, g))
+            if isinstance(output, torch.Tensor):
+                output.register_hook(lambda g: self._on_output_grad(st, record, g))
+            else:  # several outputs (e.g. an RNN's output and state): all their gradients at once
+                tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+
+                def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
+                    by_id = {id(t): g for t, g in zip(live, grads, strict=True)}
+                    full = [
+                        (by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t))
+                        if isinstance(t, torch.Tensor)
+                        else t
+                        for t in leaves
+                    ]
+                    self._on_output_grad(st, record, tree_unflatten(full, spec))
+
+                del tensors
+                torch.autograd.graph.register_multi_grad_hook(live, on_grads, mode="all")
             if self._want.mean:
                 by_node: dict[Node, list[tuple[int, int]]] = {}
                 for pid, es in edges.items():
@@ -342,10 +365,18 @@ class Tracker(Mapping[str, ParamStats]):
                 ok = False
         return ok
 
-    def _on_output_grad(self, st: _ModuleState, record: _UseRecord, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, st: _ModuleState, record: _UseRecord, grad: Any) -> None:
         if not self._active:
             return
-        st.pending.append((record, _canonical(grad.detach(), self._batch_dim)))
+        bd = self._batch_dim
+        st.pending.append(
+            (
+                record,
+                tree_map(
+                    lambda g: _canonical(g.detach(), bd) if isinstance(g, torch.Tensor) else g, grad
+                ),
+            )
+        )
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
