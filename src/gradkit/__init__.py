@@ -8,11 +8,22 @@ Pillars (each a subpackage):
   per-example gradients) inside one batched backward pass.
 * :mod:`gradkit.accumulate`: exact micro-batch accumulation, TensorFlow's
   ConditionalAccumulator with its traps fixed, data-parallel training.
+* :mod:`gradkit.optim` and :mod:`gradkit.hyper`: differentiable functional optimizers and
+  hypergradients (reverse with replay and checkpointing, forward, truncated, implicit).
 * :mod:`gradkit.testing`: the oracles every result is checked against.
 """
 
-from gradkit import accumulate, func, per_example, testing
+from gradkit import accumulate, func, hyper, optim, per_example, testing
 from gradkit._errors import GradkitError
 from gradkit._version import __version__
 
-__all__ = ["GradkitError", "__version__", "accumulate", "func", "per_example", "testing"]
+__all__ = [
+    "GradkitError",
+    "__version__",
+    "accumulate",
+    "func",
+    "hyper",
+    "optim",
+    "per_example",
+    "testing",
+]

@@ -1,0 +1,331 @@
+"""What the hypergradient engines share: argument checks, replayable batches, hyperparameter
+tensors made differentiable for the duration of a call, and the inner dynamics as a map on one
+flat state vector ``s_t`` (parameters and optimizer slots, see :func:`gradkit.optim.state_layout`):
+
+.. math:: s_{t+1} = \\Phi_t(s_t, \\lambda) = s_t \\oplus
+          \\text{opt.update}(\\nabla_\\theta L(\\theta_t, \\lambda; \\text{batch}_t), \\ldots)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gradkit._errors import describe, message
+from gradkit.optim._base import Optimizer
+from gradkit.optim._flat import state_layout
+from gradkit.optim._tree import leaves, rebuild, structure_of
+
+__all__ = [
+    "Batches",
+    "Dynamics",
+    "HyperResult",
+    "check_callable",
+    "check_hyper",
+    "check_params",
+    "check_scalar",
+    "check_steps",
+    "hyper_leaves",
+    "unused_error",
+]
+
+
+class HyperResult(NamedTuple):
+    """What an engine returns with ``full_output=True``.
+
+    Attributes:
+        grads: ``name -> d outer_loss / d hyper[name]``, each shaped like its tensor.
+        outer_loss: the outer loss at the last iterate (detached).
+        params: the last iterate (or the given optimum for :func:`implicit`), detached.
+        residual: :func:`implicit` only: ``||H q - g|| / ||g||`` of the linear solve.
+        iterations: :func:`implicit` only: Hessian-vector products spent in the solve.
+    """
+
+    grads: dict[str, torch.Tensor]
+    outer_loss: torch.Tensor
+    params: Any
+    residual: torch.Tensor | None = None
+    iterations: int | None = None
+
+
+def check_params(params: Any, call: str, argument: str = "params0") -> Any:
+    """A dict ``name -> tensor`` (from a dict, a module, or ``named_parameters()``) or a tuple of
+    floating-point tensors."""
+    from torch import nn
+
+    if isinstance(params, nn.Module):
+        params = dict(params.named_parameters())
+    elif not isinstance(params, (Mapping, tuple, list, torch.Tensor)) and hasattr(
+        params, "__iter__"
+    ):
+        items = list(params)
+        if all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
+            params = dict(items)
+        else:
+            params = items
+    structure = structure_of(params, call, argument)
+    for key, p in zip(structure.keys, leaves(params, structure, call, argument), strict=True):
+        if not p.is_floating_point():
+            raise TypeError(
+                message(
+                    call,
+                    f"{argument}[{key!r}]",
+                    "a floating-point tensor",
+                    describe(p),
+                    "convert it with .double() or .float()",
+                )
+            )
+    return rebuild(structure, leaves(params, structure, call, argument))
+
+
+def check_hyper(hyper: Any, call: str) -> tuple[list[str], list[torch.Tensor]]:
+    """Names and tensors of ``hyper``: a non-empty dict ``name -> floating tensor``, each tensor
+    given once."""
+    if not isinstance(hyper, Mapping) or not hyper:
+        raise TypeError(
+            message(
+                call,
+                "hyper",
+                "a non-empty dict name -> tensor (the hyperparameters to differentiate)",
+                describe(hyper),
+                "pass e.g. hyper={'lr': lr} with the tensor the optimizer or the losses use",
+            )
+        )
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    seen: dict[int, str] = {}
+    for name, h in hyper.items():
+        if not isinstance(h, torch.Tensor) or not h.is_floating_point():
+            raise TypeError(
+                message(
+                    call,
+                    f"hyper[{name!r}]",
+                    "a floating-point tensor",
+                    describe(h),
+                    "pass the tensor itself (a float copy has no gradient): torch.tensor(0.1)",
+                )
+            )
+        if id(h) in seen:
+            raise ValueError(
+                message(
+                    call,
+                    f"hyper[{name!r}]",
+                    "each tensor once",
+                    f"the tensor of hyper[{seen[id(h)]!r}] again",
+                    "list each hyperparameter under one name",
+                )
+            )
+        seen[id(h)] = name
+        names.append(str(name))
+        tensors.append(h)
+    return names, tensors
+
+
+def check_callable(f: Any, call: str, argument: str, signature: str) -> None:
+    """A TypeError naming ``argument`` unless ``f`` is callable."""
+    if not callable(f):
+        raise TypeError(
+            message(call, argument, f"a function {signature}", describe(f), "pass a function")
+        )
+
+
+def check_steps(steps: Any, call: str, argument: str = "steps") -> int:
+    """``steps`` as an int >= 0."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(
+            message(call, argument, "an int >= 0", repr(steps), f"pass e.g. {argument}=100")
+        )
+    return steps
+
+
+def check_scalar(value: Any, call: str, which: str) -> torch.Tensor:
+    """``value`` if it is a one-element floating tensor, else a ValueError naming ``which``."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        raise ValueError(
+            message(
+                call,
+                which,
+                "a function returning a scalar floating-point tensor",
+                describe(value),
+                "reduce the loss with .mean() or .sum()",
+            )
+        )
+    return value.reshape(())
+
+
+def unused_error(call: str, name: str) -> ValueError:
+    """The error for a hyperparameter no loss and no step depends on."""
+    return ValueError(
+        message(
+            call,
+            f"hyper[{name!r}]",
+            "a tensor the optimizer or the losses use",
+            "a tensor nothing depends on (no path to the outer loss)",
+            "build the optimizer with this very tensor (e.g. sgd(lr=lr), not lr.item()) or "
+            "use it in inner_loss/outer_loss",
+        )
+    )
+
+
+@contextlib.contextmanager
+def hyper_leaves(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Make every hyperparameter require grad for the duration (restored after), so that
+    graphs built by the losses and the optimizer reach it."""
+    flipped = [h for h in tensors if not h.requires_grad]
+    for h in flipped:
+        h.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for h in flipped:
+            h.requires_grad_(False)
+
+
+class Batches:
+    """The batch of step ``t``: None (full batch), ``batches[t % len(batches)]`` (a list), or
+    ``batches(t)`` (a callable that must give the same batch every time it is asked for ``t``:
+    the engines replay steps)."""
+
+    def __init__(self, batches: Any, call: str) -> None:
+        self._call = call
+        self._fn: Callable[[int], Any]
+        if batches is None:
+            self._fn = lambda t: None
+        elif callable(batches):
+            self._fn = batches
+        elif isinstance(batches, list) and batches:
+            items = list(batches)
+            self._fn = lambda t: items[t % len(items)]
+        else:
+            hint = (
+                "; if this tuple is one batch, pass [batch] or lambda t: batch"
+                if isinstance(batches, tuple)
+                else ""
+            )
+            raise TypeError(
+                message(
+                    call,
+                    "batches",
+                    "None, a non-empty list of batches, or a callable step -> batch",
+                    describe(batches),
+                    "pass e.g. batches=lambda t: (X[idx[t]], y[idx[t]])" + hint,
+                )
+            )
+
+    def __call__(self, t: int) -> Any:
+        return self._fn(t)
+
+
+def grads_of(
+    loss: Any, xs: Sequence[torch.Tensor], call: str, *, create_graph: bool
+) -> list[torch.Tensor]:
+    """``d loss / d xs`` (zeros for tensors the loss does not use)."""
+    loss = check_scalar(loss, call, "inner_loss")
+    if not loss.requires_grad:
+        return [torch.zeros_like(x) for x in xs]
+    gs = torch.autograd.grad(loss, list(xs), create_graph=create_graph, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, xs, strict=True)]
+
+
+class Dynamics:
+    """The inner problem as a map on flat states: ``step`` (no graph), ``vjp`` (one replayed
+    step's vector-Jacobian product for state and hyperparameters together), ``outer``."""
+
+    def __init__(
+        self,
+        inner_loss: Callable[..., Any],
+        outer_loss: Callable[..., Any],
+        opt: Any,
+        params0: Any,
+        batches: Any,
+        call: str,
+    ) -> None:
+        check_callable(inner_loss, call, "inner_loss", "(params, batch) -> scalar")
+        check_callable(outer_loss, call, "outer_loss", "params -> scalar")
+        if not isinstance(opt, Optimizer):
+            raise TypeError(
+                message(
+                    call,
+                    "opt",
+                    "a gradkit.optim optimizer",
+                    describe(opt),
+                    "build it with gradkit.optim.sgd / adam / adamw / rmsprop",
+                )
+            )
+        self.call = call
+        self.inner_loss = inner_loss
+        self.outer_loss = outer_loss
+        self.opt = opt
+        self.params0 = check_params(params0, call)
+        self.structure = structure_of(self.params0, call, "params0")
+        self.state0 = opt.init(self.params0)
+        self.layout = state_layout(self.params0, self.state0)
+        self.batch = Batches(batches, call)
+
+    def initial(self) -> torch.Tensor:
+        """``s_0`` (with a graph when a hyperparameter shaped the initial parameters)."""
+        with torch.enable_grad():
+            return self.layout.flatten(self.params0, self.state0)
+
+    def _update(self, s: torch.Tensor, t: int, *, create_graph: bool) -> tuple[Any, Any, Any]:
+        params, state = self.layout.unflatten(s, step=t)
+        ps = leaves(params, self.structure, self.call, "params")
+        xs = ps if create_graph else [p.detach().requires_grad_(True) for p in ps]
+        with torch.enable_grad():
+            loss = self.inner_loss(rebuild(self.structure, xs), self.batch(t))
+            gs = grads_of(loss, xs, self.call, create_graph=create_graph)
+        return rebuild(self.structure, gs), state, params
+
+    def step(self, s: torch.Tensor, t: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``s_{t+1}`` from ``s_t`` without a graph (into ``out`` if given)."""
+        grads, state, params = self._update(s, t, create_graph=False)
+        with torch.no_grad():
+            new_params, new_state = self.opt.update(grads, state, params)
+            return self.layout.flatten(new_params, new_state, out=out)
+
+    def vjp(
+        self, row: torch.Tensor, t: int, adjoint: torch.Tensor, hypers: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        """Replay step ``t`` from the stored ``s_t`` and pull ``adjoint`` (of ``s_{t+1}``) back:
+        ``(adjoint of s_t, adjoint of each hyperparameter or None)``, one backward pass."""
+        s = row.detach().requires_grad_(True)
+        with torch.enable_grad():
+            grads, state, params = self._update(s, t, create_graph=True)
+            new_params, new_state = self.opt.update(grads, state, params)
+            s_next = self.layout.flatten(new_params, new_state)
+            res = torch.autograd.grad(s_next, [s, *hypers], adjoint, allow_unused=True)
+        a = res[0] if res[0] is not None else torch.zeros_like(s)
+        return a.detach(), res[1:]
+
+    def outer(
+        self, s_final: torch.Tensor, hypers: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...], Any]:
+        """``(E, dE/ds_T, direct dE/d hyper or None, params_T)`` at the last state."""
+        s = s_final.detach().requires_grad_(True)
+        with torch.enable_grad():
+            params = self.layout.params_of(s)
+            value = check_scalar(self.outer_loss(params), self.call, "outer_loss")
+            res: tuple[torch.Tensor | None, ...]
+            if value.requires_grad:
+                res = torch.autograd.grad(value, [s, *hypers], allow_unused=True)
+            else:
+                res = (None,) * (1 + len(hypers))
+        a = res[0] if res[0] is not None else torch.zeros_like(s)
+        final = self.layout.params_of(s_final.detach().clone())
+        return value.detach(), a.detach(), res[1:], final
+
+
+def accumulate(
+    total: list[torch.Tensor | None], parts: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Entry-wise sums where ``None`` means "no path" (kept apart from a zero)."""
+    out = []
+    for acc, part in zip(total, parts, strict=True):
+        if part is None:
+            out.append(acc)
+        else:
+            out.append(part.detach() if acc is None else acc + part.detach())
+    return out

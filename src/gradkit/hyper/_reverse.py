@@ -1,0 +1,262 @@
+"""Reverse-mode hypergradients through T optimizer steps: store the state history, replay.
+
+The forward pass runs the T steps without any graph and writes the flat states ``s_t``
+(parameters and optimizer slots, one contiguous row each) into one preallocated buffer. The
+backward pass walks t = T-1, ..., 0: it rebuilds step t from the stored ``s_t`` -- the inner
+gradient with ``create_graph=True`` and the optimizer update -- and takes one vector-Jacobian
+product for the state and all hyperparameters together (RFHO/FAR-HO's ``ReverseHG``):
+
+.. math::
+    a_T = \\partial E / \\partial s_T, \\quad
+    a_t = a_{t+1}^\\top \\partial \\Phi_t / \\partial s_t, \\quad
+    \\frac{dE}{d\\lambda} = \\frac{\\partial E}{\\partial \\lambda}
+    + \\sum_{t} a_{t+1}^\\top \\frac{\\partial \\Phi_t}{\\partial \\lambda}
+    + a_0^\\top \\frac{\\partial s_0}{\\partial \\lambda}
+
+Only one step's graph is alive at a time. Memory: the history (T rows of ``|s|`` elements) plus
+one step's graph. With ``checkpoint_every=k`` only every k-th state is kept
+(``ceil(T/k)`` rows) plus a segment buffer of ``k - 1`` rows; each segment is recomputed from
+its checkpoint before it is replayed (one extra forward step per step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradkit._errors import message
+from gradkit.hyper._problem import (
+    Dynamics,
+    HyperResult,
+    accumulate,
+    check_hyper,
+    check_steps,
+    hyper_leaves,
+    unused_error,
+)
+
+__all__ = ["reverse", "truncated"]
+
+
+def _stride(checkpoint_every: Any, span: int, call: str) -> int:
+    if checkpoint_every is None:
+        return 1
+    if checkpoint_every == "sqrt":
+        return max(1, math.ceil(math.sqrt(span)))
+    if (
+        isinstance(checkpoint_every, bool)
+        or not isinstance(checkpoint_every, int)
+        or checkpoint_every < 1
+    ):
+        raise ValueError(
+            message(
+                call,
+                "checkpoint_every",
+                "None (store every state), an int >= 1, or 'sqrt'",
+                repr(checkpoint_every),
+                "pass e.g. checkpoint_every=10 or 'sqrt'",
+            )
+        )
+    return min(checkpoint_every, max(span, 1))
+
+
+def _engine(
+    call: str,
+    inner_loss: Callable[..., Any],
+    outer_loss: Callable[..., Any],
+    params0: Any,
+    opt: Any,
+    steps: Any,
+    hyper: Any,
+    batches: Any,
+    checkpoint_every: Any,
+    last: int | None,
+) -> HyperResult:
+    names, hypers = check_hyper(hyper, call)
+    steps = check_steps(steps, call)
+    span = steps if last is None else last
+    if span > steps:
+        raise ValueError(
+            message(
+                call,
+                "last",
+                f"an int in [0, steps={steps}]",
+                repr(last),
+                "truncate to at most steps",
+            )
+        )
+    dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
+    start = steps - span
+    k = _stride(checkpoint_every, span, call)
+    rows = -(-span // k)
+    with hyper_leaves(hypers):
+        s0 = dyn.initial()
+        s = s0.detach()
+        history = s.new_empty((rows, dyn.layout.size))
+        for t in range(steps):
+            if t >= start and (t - start) % k == 0:
+                history[(t - start) // k].copy_(s)
+            s = dyn.step(s, t)
+        value, adjoint, direct, final = dyn.outer(s, hypers)
+        total = accumulate([None] * len(hypers), direct)
+        segment = s.new_empty((k - 1, dyn.layout.size))
+        for j in reversed(range(rows)):
+            first = start + j * k
+            states = [history[j]]
+            for i in range(1, min(k, steps - first)):
+                states.append(dyn.step(states[-1], first + i - 1, out=segment[i - 1]))
+            for i in reversed(range(len(states))):
+                adjoint, parts = dyn.vjp(states[i], first + i, adjoint, hypers)
+                total = accumulate(total, parts)
+        if start == 0 and s0.requires_grad:
+            with torch.enable_grad():
+                parts = torch.autograd.grad(s0, hypers, adjoint, allow_unused=True)
+            total = accumulate(total, parts)
+    if last is None:
+        for name, g in zip(names, total, strict=True):
+            if g is None:
+                raise unused_error(call, name)
+    grads = {
+        name: (torch.zeros_like(h) if g is None else g.reshape(h.shape).to(h.dtype))
+        for name, h, g in zip(names, hypers, total, strict=True)
+    }
+    return HyperResult(grads, value, final)
+
+
+def reverse(
+    inner_loss: Callable[..., Any],
+    outer_loss: Callable[..., Any],
+    params0: Any,
+    opt: Any,
+    *,
+    steps: int,
+    hyper: dict[str, torch.Tensor],
+    batches: Any = None,
+    checkpoint_every: int | str | None = None,
+    full_output: bool = False,
+) -> Any:
+    r"""Exact reverse-mode hypergradient of ``outer_loss`` after ``steps`` optimizer steps on
+    ``inner_loss``.
+
+    .. math:: \frac{d}{d\lambda} E(\theta_T(\lambda), \lambda), \quad
+              (\theta_{t+1}, \sigma_{t+1}) = \text{opt.update}(\nabla_\theta
+              L(\theta_t, \lambda; b_t), \sigma_t, \theta_t), \quad \theta_0 = \text{params0}
+
+    The states are stored in one preallocated ``[T, |s|]`` buffer (``|s|`` = parameters +
+    optimizer slots) and each step is replayed once with a vector-Jacobian product; the
+    unrolled graph is never built.
+
+    Args:
+        inner_loss: ``inner_loss(params, batch) -> scalar``; ``params`` mirrors ``params0``. It
+            may close over hyperparameter tensors (L2 coefficients, per-example weights).
+        outer_loss: ``outer_loss(params) -> scalar`` at the last iterate (e.g. validation).
+        params0: initial parameters: a dict, ``module.named_parameters()``, a module, or a
+            tuple of tensors of one dtype and device.
+        opt: a :mod:`gradkit.optim` optimizer; tensors it was built with (``sgd(lr=lr)``) are
+            hyperparameters when listed in ``hyper``.
+        steps: the number of inner steps T.
+        hyper: ``name -> tensor`` to differentiate: any tensor the optimizer or the losses use
+            (or one of ``params0``'s tensors: initial weights). They need not require grad;
+            ``requires_grad`` is switched on for the duration of the call and restored.
+        batches: None (``inner_loss(params, None)``), a list (step t uses
+            ``batches[t % len]``), or a callable ``t -> batch`` that returns the same batch
+            whenever asked for step t (steps are replayed).
+        checkpoint_every: None stores every state (memory ``T |s|``, each step computed
+            twice: forward, then replayed); ``k`` stores every k-th state and recomputes each
+            segment (memory ``(ceil(T/k) + k - 1) |s|``, one more forward per step);
+            ``"sqrt"`` uses ``k = ceil(sqrt(T))``. The result is the same.
+        full_output: return a :class:`HyperResult` (grads, outer loss, last iterate).
+
+    Returns:
+        ``{name: d outer_loss / d hyper[name]}`` shaped like each tensor (detached).
+
+    Raises:
+        ValueError: for a hyperparameter nothing depends on (e.g. the optimizer was built from
+            ``lr.item()``), a non-scalar loss, or bad ``steps``/``checkpoint_every``.
+
+    Examples:
+        >>> import torch
+        >>> from gradkit import hyper, optim
+        >>> X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+        >>> lr, l2 = torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.01, dtype=torch.float64)
+        >>> inner = lambda p, batch: ((X @ p["w"] - y) ** 2).mean() + l2 * (p["w"] ** 2).sum()
+        >>> outer = lambda p: ((X @ p["w"] - y) ** 2).mean()
+        >>> params0 = {"w": torch.zeros(3, dtype=torch.float64)}
+        >>> g = hyper.reverse(inner, outer, params0, optim.sgd(lr=lr, momentum=0.9), steps=50,
+        ...                   hyper={"lr": lr, "l2": l2})
+        >>> g2 = hyper.reverse(inner, outer, params0, optim.sgd(lr=lr, momentum=0.9), steps=50,
+        ...                    hyper={"lr": lr, "l2": l2}, checkpoint_every="sqrt")
+        >>> sorted(g), torch.allclose(g["l2"], g2["l2"], rtol=1e-12)
+        (['l2', 'lr'], True)
+    """
+    res = _engine(
+        "reverse(inner_loss, outer_loss, params0, opt)",
+        inner_loss,
+        outer_loss,
+        params0,
+        opt,
+        steps,
+        hyper,
+        batches,
+        checkpoint_every,
+        None,
+    )
+    return res if full_output else res.grads
+
+
+def truncated(
+    inner_loss: Callable[..., Any],
+    outer_loss: Callable[..., Any],
+    params0: Any,
+    opt: Any,
+    *,
+    steps: int,
+    last: int,
+    hyper: dict[str, torch.Tensor],
+    batches: Any = None,
+    checkpoint_every: int | str | None = None,
+    full_output: bool = False,
+) -> Any:
+    r"""Truncated reverse mode: run ``steps`` steps, back-propagate through the ``last`` ones.
+
+    .. math:: \frac{\partial E}{\partial \lambda} + \sum_{t = T - K}^{T - 1}
+              a_{t+1}^\top \frac{\partial \Phi_t}{\partial \lambda}, \quad K = \text{last}
+
+    i.e. the exact hypergradient of the problem that starts from the (constant) state
+    :math:`s_{T-K}` (FAR-HO's ``ReverseHG.truncated``). ``last = steps`` gives :func:`reverse`;
+    ``last = 0`` only the direct term. Only K states are stored. Arguments as :func:`reverse`;
+    paths cut by the truncation give zeros, not an error.
+
+    Examples:
+        >>> import torch
+        >>> from gradkit import hyper, optim
+        >>> X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+        >>> l2 = torch.tensor(0.01, dtype=torch.float64)
+        >>> inner = lambda p, batch: ((X @ p["w"] - y) ** 2).mean() + l2 * (p["w"] ** 2).sum()
+        >>> outer = lambda p: ((X @ p["w"] - y) ** 2).mean()
+        >>> args = (inner, outer, {"w": torch.zeros(3, dtype=torch.float64)}, optim.sgd(lr=0.1))
+        >>> full = hyper.reverse(*args, steps=30, hyper={"l2": l2})
+        >>> torch.allclose(hyper.truncated(*args, steps=30, last=30, hyper={"l2": l2})["l2"],
+        ...                full["l2"], rtol=1e-12)
+        True
+        >>> hyper.truncated(*args, steps=30, last=0, hyper={"l2": l2})["l2"]
+        tensor(0., dtype=torch.float64)
+    """
+    call = "truncated(inner_loss, outer_loss, params0, opt)"
+    last = check_steps(last, call, "last")
+    res = _engine(
+        call,
+        inner_loss,
+        outer_loss,
+        params0,
+        opt,
+        steps,
+        hyper,
+        batches,
+        checkpoint_every,
+        last,
+    )
+    return res if full_output else res.grads

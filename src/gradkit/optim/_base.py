@@ -1,0 +1,310 @@
+"""The functional optimizer: an ``init`` / ``update`` pair around one per-tensor update rule.
+
+An update rule maps ``(g, p, slots, count, h)`` -- gradient, parameter, the state slots of
+that parameter, the number of updates done so far and the resolved hyperparameters -- to
+``(delta, new_slots)``; :class:`Optimizer` adds containers (dict or tuple), hyperparameter
+resolution (numbers, tensors, schedules, per-parameter values), masks and checks. Nothing is
+updated in place, so every result is differentiable with respect to tensor hyperparameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from gradkit._errors import describe, message
+from gradkit.optim._tree import Params, Structure, leaves, rebuild, structure_of
+from gradkit.optim._values import Scalar, check_value, resolve
+
+__all__ = ["Optimizer", "Rule", "apply_updates", "lerp", "no_buffer", "safe_sqrt"]
+
+Rule = Callable[
+    [torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int, dict[str, Scalar]],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
+"""``(g, p, slots, count, h) -> (delta, new_slots)`` for one parameter tensor."""
+
+Bounds = tuple[float, "float | None", bool]
+"""``(low, high, high_open)`` for a hyperparameter given as a number."""
+
+
+def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(x)`` for ``x >= 0`` with derivative 0 (not infinity) where ``x == 0``, so entries
+    whose second moment is exactly zero (masked or unused weights) give finite hypergradients;
+    negative round-off (centered RMSprop) gives 0 instead of NaN."""
+    pos = x > 0
+    return torch.where(
+        pos, torch.sqrt(torch.where(pos, x, torch.ones_like(x))), torch.zeros_like(x)
+    )
+
+
+def lerp(start: torch.Tensor, end: torch.Tensor, weight: Scalar) -> torch.Tensor:
+    """``start + weight * (end - start)`` computed as ``torch.lerp`` (the op ``torch.optim``
+    uses, for bitwise-close trajectories), differentiable in ``weight``."""
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(start.dtype)
+        if weight.shape != start.shape:
+            weight = weight.expand_as(start)
+    return torch.lerp(start, end, weight)
+
+
+def no_buffer(name: str, hyper: str, value: Any) -> str:
+    """The message for a step that overrides ``hyper`` to a nonzero value on an optimizer built
+    without the buffer it needs."""
+    return message(
+        f"{name}.update",
+        hyper,
+        f"0 (the optimizer was built with {hyper}=0, so its state has no buffer for it)",
+        describe(value),
+        f"build the optimizer with a nonzero {hyper} (or a tensor) to change it later",
+    )
+
+
+def _check_mask(mask: Any, call: str) -> Any:
+    if mask is None:
+        return None
+    items = list(mask.items()) if isinstance(mask, Mapping) else None
+    if items is None and isinstance(mask, (tuple, list)):
+        items = list(enumerate(mask))
+    if items is None:
+        raise TypeError(
+            message(
+                call,
+                "mask",
+                "None, or a dict / tuple of boolean tensors (None entries: no mask)",
+                describe(mask),
+                "pass e.g. mask={'weight': weight != 0}",
+            )
+        )
+    for key, m in items:
+        if m is not None and (not isinstance(m, torch.Tensor) or m.dtype != torch.bool):
+            raise TypeError(
+                message(
+                    call,
+                    f"mask[{key!r}]",
+                    "a boolean tensor (True = trainable) or None",
+                    describe(m),
+                    "pass e.g. weight != 0",
+                )
+            )
+    return dict(mask) if isinstance(mask, Mapping) else tuple(mask)
+
+
+class Optimizer:
+    """A functional, differentiable optimizer: ``init(params) -> state`` and
+    ``update(grads, state, params, **hyper) -> (new_params, new_state)``.
+
+    Built by :func:`sgd`, :func:`adam`, :func:`adamw` or :func:`rmsprop`. ``params`` and
+    ``grads`` are a dict ``name -> tensor`` or a tuple of tensors; results mirror them.
+
+    Attributes:
+        name: the optimizer's name (``"sgd"``, ...).
+        hyperparams: read-only mapping of the hyperparameter values it was built with.
+        slots: the names of the state's per-parameter buffers.
+        state_type: the ``NamedTuple`` type of its state (field ``step`` + the slots).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rule: Rule,
+        state_type: Any,
+        slots: tuple[str, ...],
+        hyperparams: dict[str, Any],
+        bounds: dict[str, Bounds],
+        flags: dict[str, Any],
+        *,
+        mask: Any = None,
+        aliases: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        self.name = name
+        self._rule = rule
+        self.state_type = state_type
+        self.slots = slots
+        self._bounds = bounds
+        self._aliases = aliases or {}
+        self._values = {k: self._check(k, v, name) for k, v in hyperparams.items()}
+        self.hyperparams = MappingProxyType(self._values)
+        self.flags = MappingProxyType(dict(flags))
+        self.mask = _check_mask(mask, name)
+
+    def _check(self, key: str, value: Any, call: str) -> Any:
+        low, high, high_open = self._bounds[key]
+        return check_value(value, call, key, low=low, high=high, high_open=high_open)
+
+    def __repr__(self) -> str:
+        def show(v: Any) -> str:
+            return describe(v) if isinstance(v, torch.Tensor) else repr(v)
+
+        items = [f"{k}={show(v)}" for k, v in (*self._values.items(), *self.flags.items())]
+        return f"{self.name}({', '.join(items)})"
+
+    def init(self, params: Params) -> Any:
+        """The initial state: ``step = 0`` and zero slots shaped like ``params``."""
+        call = f"{self.name}.init(params)"
+        structure = structure_of(params, call)
+        values = leaves(params, structure, call, "params")
+        fields = {
+            s: rebuild(structure, [torch.zeros_like(p.detach()) for p in values])
+            for s in self.slots
+        }
+        missing = {f: None for f in self.state_type._fields if f not in fields and f != "step"}
+        return self.state_type(step=0, **fields, **missing)
+
+    def _merge(self, hyper: dict[str, Any], call: str) -> dict[str, Any]:
+        values = dict(self._values)
+        for key, value in hyper.items():
+            if key in self._aliases:
+                names = self._aliases[key]
+                if not isinstance(value, (tuple, list)) or len(value) != len(names):
+                    raise ValueError(
+                        message(
+                            call, key, f"a pair {names}", describe(value), "pass e.g. (0.9, 0.999)"
+                        )
+                    )
+                for n, v in zip(names, value, strict=True):
+                    values[n] = self._check(n, v, call)
+            elif key in self._values:
+                values[key] = self._check(key, value, call)
+            else:
+                known = ", ".join([*self._values, *self._aliases])
+                raise TypeError(
+                    message(
+                        call,
+                        key,
+                        f"one of this optimizer's hyperparameters ({known})",
+                        repr(key),
+                        "override only hyperparameters the optimizer has",
+                    )
+                )
+        return values
+
+    def _state_slots(self, state: Any, structure: Structure, call: str) -> dict[str, list[Any]]:
+        if not isinstance(state, self.state_type):
+            raise TypeError(
+                message(
+                    call,
+                    "state",
+                    f"a {self.state_type.__name__} from {self.name}.init(params)",
+                    describe(state),
+                    f"create the state with {self.name}(...).init(params)",
+                )
+            )
+        count = state.step
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(
+                message(call, "state.step", "an int >= 0", repr(count), "use the state init gave")
+            )
+        out = {}
+        for s in self.slots:
+            slot = getattr(state, s)
+            if slot is None:
+                raise ValueError(
+                    message(
+                        call,
+                        f"state.{s}",
+                        "a buffer (this optimizer's settings use it)",
+                        "None",
+                        f"create the state with {self.name}(...).init(params) of these settings",
+                    )
+                )
+            out[s] = leaves(slot, structure, call, f"state.{s}")
+        return out
+
+    def _step(
+        self, grads: Params, state: Any, params: Params, hyper: dict[str, Any]
+    ) -> tuple[Structure, list[torch.Tensor], list[torch.Tensor], Any]:
+        call = f"{self.name}.update"
+        structure = structure_of(params, call)
+        ps = leaves(params, structure, call, "params")
+        gs = leaves(grads, structure, call, "grads", allow_none=True)
+        slots = self._state_slots(state, structure, call)
+        values = self._merge(hyper, call)
+        masks: list[Any] = [None] * len(ps)
+        if self.mask is not None:
+            masks = leaves(self.mask, structure, call, "mask", allow_none=True)
+        count = state.step
+        deltas: list[torch.Tensor] = []
+        new_slots: dict[str, list[torch.Tensor]] = {s: [] for s in self.slots}
+        for i, (p, g, m) in enumerate(zip(ps, gs, masks, strict=True)):
+            own = {s: slots[s][i] for s in self.slots}
+            if g is None:
+                deltas.append(torch.zeros_like(p))
+                for s in self.slots:
+                    new_slots[s].append(own[s])
+                continue
+            if g.shape != p.shape:
+                raise ValueError(
+                    message(
+                        call,
+                        f"grads{structure.label(i)}",
+                        f"a tensor of shape {tuple(p.shape)} (the parameter's)",
+                        describe(g),
+                        "pass the gradient of each parameter",
+                    )
+                )
+            p_in = p
+            if m is not None:
+                g = torch.where(m, g, torch.zeros_like(g))
+                p_in = torch.where(m, p, torch.zeros_like(p))
+            h = {k: resolve(v, k, structure, i, p, count, call) for k, v in values.items()}
+            d, updated = self._rule(g, p_in, own, count, h)
+            if m is not None:
+                d = torch.where(m, d, -p)
+            deltas.append(d if d.dtype == p.dtype else d.to(p.dtype))
+            for s in self.slots:
+                v = updated[s]
+                new_slots[s].append(v if v.dtype == own[s].dtype else v.to(own[s].dtype))
+        fields: dict[str, Any] = {s: rebuild(structure, new_slots[s]) for s in self.slots}
+        missing = {f: None for f in self.state_type._fields if f not in fields and f != "step"}
+        return structure, ps, deltas, self.state_type(step=count + 1, **fields, **missing)
+
+    def delta(self, grads: Params, state: Any, params: Params, **hyper: Any) -> tuple[Any, Any]:
+        """The update itself: ``(delta, new_state)`` with ``new_params = params + delta``.
+
+        Keyword arguments override hyperparameters for this step (same forms as at
+        construction). A ``None`` gradient leaves its parameter and slots unchanged (delta 0),
+        as ``torch.optim`` skips parameters without a gradient.
+        """
+        structure, _, deltas, new_state = self._step(grads, state, params, hyper)
+        return rebuild(structure, deltas), new_state
+
+    def update(
+        self,
+        grads: Params,
+        state: Any,
+        params: Params,
+        *,
+        return_delta: bool = False,
+        **hyper: Any,
+    ) -> tuple[Any, ...]:
+        """One step, out of place: ``(new_params, new_state)``, or
+        ``(new_params, new_state, delta)`` with ``return_delta=True``.
+
+        ``new_params = params + delta``; masked entries become exactly zero. Keyword arguments
+        override hyperparameters for this step (same forms as at construction).
+        """
+        structure, ps, deltas, new_state = self._step(grads, state, params, hyper)
+        new = rebuild(structure, [p + d for p, d in zip(ps, deltas, strict=True)])
+        if return_delta:
+            return new, new_state, rebuild(structure, deltas)
+        return new, new_state
+
+
+def apply_updates(params: Params, delta: Params) -> Any:
+    """``params + delta``, entry by entry, out of place (mirrors the container of ``params``).
+
+    Examples:
+        >>> import torch
+        >>> from gradkit.optim import apply_updates
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
+        {'w': tensor([1.5000, 0.0000])}
+    """
+    call = "apply_updates(params, delta)"
+    structure = structure_of(params, call)
+    ps = leaves(params, structure, call, "params")
+    ds = leaves(delta, structure, call, "delta")
+    return rebuild(structure, [p + d for p, d in zip(ps, ds, strict=True)])

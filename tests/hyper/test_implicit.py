@@ -1,0 +1,139 @@
+"""Implicit hypergradients on ridge regression (strongly convex, closed form): CG, Neumann and
+fixed point against the closed form, against reverse mode at convergence, and Neumann with K
+terms against truncated reverse through K gradient-descent steps at the optimum."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gradkit import hyper, optim
+from gradkit.testing import assert_close
+
+D = torch.float64
+N, FEATURES = 40, 5
+
+
+def _ridge():
+    gen = torch.Generator().manual_seed(0)
+    X, y = torch.randn(N, FEATURES, generator=gen, dtype=D), torch.randn(N, generator=gen, dtype=D)
+    Xv, yv = (
+        torch.randn(15, FEATURES, generator=gen, dtype=D),
+        torch.randn(15, generator=gen, dtype=D),
+    )
+    l2 = torch.linspace(0.05, 0.3, FEATURES, dtype=D)  # per-coordinate L2
+    c = torch.linspace(0.5, 1.5, N, dtype=D)  # per-example weights
+
+    def inner(p, batch):
+        return 0.5 * (c * (X @ p["w"] - y) ** 2).mean() + 0.5 * (l2 * p["w"] ** 2).sum()
+
+    def outer(p):
+        return 0.5 * ((Xv @ p["w"] - yv) ** 2).mean()
+
+    def solve(l2_, c_):
+        A = X.T @ (c_[:, None] * X) / N + torch.diag(l2_)
+        return torch.linalg.solve(A, X.T @ (c_ * y) / N)
+
+    return inner, outer, solve, {"l2": l2, "c": c}
+
+
+def _closed_form(outer, solve, h):
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in h.items()}
+    value = outer({"w": solve(leaves["l2"], leaves["c"])})
+    return dict(zip(leaves, torch.autograd.grad(value, list(leaves.values())), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("cg", {}),
+        ("neumann", {"maxiter": 400}),
+        ("fixed_point", {}),
+        ("fixed_point", {"alpha": 0.5}),
+    ],
+)
+def test_implicit_matches_the_closed_form(method, options):
+    inner, outer, solve, h = _ridge()
+    w_star = solve(h["l2"], h["c"])
+    res = hyper.implicit(inner, outer, {"w": w_star}, h, method=method, full_output=True, **options)
+    assert_close(res.grads, _closed_form(outer, solve, h), rtol=1e-8, atol=1e-12)
+    assert float(res.residual) < 1e-8 and res.iterations > 0
+    assert_close(res.params["w"], w_star, rtol=0, atol=0)
+
+
+def test_reverse_converges_to_the_implicit_hypergradient():
+    inner, outer, solve, h = _ridge()
+    w_star = solve(h["l2"], h["c"])
+    imp = hyper.implicit(inner, outer, {"w": w_star}, h)
+    rev = hyper.reverse(
+        inner,
+        outer,
+        {"w": torch.zeros(FEATURES, dtype=D)},
+        optim.sgd(lr=0.7, momentum=0.3),
+        steps=150,
+        hyper=h,
+        checkpoint_every="sqrt",
+    )
+    assert_close(rev, imp, rtol=1e-7, atol=1e-10)
+
+
+def test_neumann_with_k_terms_is_truncated_reverse_through_k_steps_at_the_optimum():
+    inner, outer, solve, h = _ridge()
+    w_star = solve(h["l2"], h["c"])
+    for k in (1, 3, 10):
+        neumann = hyper.implicit(
+            inner, outer, {"w": w_star}, h, method="neumann", maxiter=k, alpha=0.4
+        )
+        trunc = hyper.truncated(
+            inner, outer, {"w": w_star}, optim.sgd(lr=0.4), steps=k, last=k, hyper=h
+        )
+        assert_close(neumann, trunc, rtol=1e-9, atol=1e-12)
+
+
+def test_tuple_parameters_and_damping():
+    inner, outer, solve, h = _ridge()
+    w_star = solve(h["l2"], h["c"])
+    g = hyper.implicit(
+        lambda p, b: inner({"w": p[0]}, b), lambda p: outer({"w": p[0]}), (w_star,), h
+    )
+    assert_close(g, _closed_form(outer, solve, h), rtol=1e-8, atol=1e-12)
+    damped = hyper.implicit(inner, outer, {"w": w_star}, h, damping=1.0)
+    assert not torch.allclose(damped["l2"], g["l2"])
+
+
+def test_an_unconverged_solve_is_logged(caplog):
+    inner, outer, solve, h = _ridge()
+    with caplog.at_level(logging.WARNING, logger="gradkit.hyper._implicit"):
+        res = hyper.implicit(
+            inner, outer, {"w": solve(h["l2"], h["c"])}, h, maxiter=1, full_output=True
+        )
+    assert res.iterations == 1 and float(res.residual) > 1e-6
+    assert "stopped at relative residual" in caplog.text
+
+
+def test_implicit_errors():
+    inner, outer, solve, h = _ridge()
+    w_star = {"w": solve(h["l2"], h["c"])}
+    with pytest.raises(
+        ValueError,
+        match=r"implicit\(.*\): method: expected one of 'cg', 'neumann', 'fixed_point', got 'lu'",
+    ):
+        hyper.implicit(inner, outer, w_star, h, method="lu")
+    with pytest.raises(ValueError, match=r"maxiter: expected an int >= 1, got 0"):
+        hyper.implicit(inner, outer, w_star, h, maxiter=0)
+    with pytest.raises(
+        ValueError, match=r"hyper\['lr'\]: expected a tensor the optimizer or the losses use"
+    ):
+        hyper.implicit(inner, outer, w_star, {**h, "lr": torch.tensor(0.1, dtype=D)})
+    with pytest.raises(
+        ValueError, match=r"inner_loss: expected a Hessian that is positive definite"
+    ):
+        hyper.implicit(lambda p, b: inner(p, b) - 10 * (p["w"] ** 2).sum(), outer, w_star, h)
+    with pytest.raises(
+        ValueError, match=r"inner_loss: expected a loss whose gradient depends on params_star"
+    ):
+        hyper.implicit(lambda p, b: h["l2"] @ p["w"], outer, w_star, h)
+    with pytest.raises(TypeError, match=r"outer_loss: expected a function params -> scalar"):
+        hyper.implicit(inner, 3.0, w_star, h)

@@ -1,0 +1,206 @@
+"""Bad input to the optimizers raises errors that name the call, the argument, what was
+expected, what was received, and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradkit import optim
+
+P = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+G = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "pattern"),
+    [
+        (
+            lambda: optim.sgd(lr=-0.1),
+            ValueError,
+            r"sgd: lr: expected a finite value >= 0, got -0.1; fix the value",
+        ),
+        (
+            lambda: optim.sgd(lr=float("nan")),
+            ValueError,
+            r"sgd: lr: expected a finite value >= 0, got nan",
+        ),
+        (
+            lambda: optim.sgd(lr=True),
+            TypeError,
+            r"sgd: lr: expected a number or a tensor, got True",
+        ),
+        (
+            lambda: optim.sgd(lr="0.1"),
+            TypeError,
+            r"sgd: lr: expected a number or a tensor, got '0.1'",
+        ),
+        (
+            lambda: optim.sgd(lr=torch.tensor(1)),
+            TypeError,
+            r"sgd: lr: expected a floating-point tensor, got Tensor\(shape=\(\), "
+            r"dtype=torch.int64\)",
+        ),
+        (
+            lambda: optim.sgd(lr=torch.ones(2, 2)),
+            ValueError,
+            r"sgd: lr: expected a 0-d tensor or a 1-d schedule.*give per-parameter tensors in a "
+            r"dict",
+        ),
+        (
+            lambda: optim.sgd(lr=0.1, dampening=1.5),
+            ValueError,
+            r"sgd: dampening: expected a finite value >= 0 and <= 1, got 1.5",
+        ),
+        (
+            lambda: optim.sgd(lr=0.1, nesterov=True),
+            ValueError,
+            r"sgd: nesterov: expected momentum != 0 and dampening == 0 \(as torch.optim.SGD\)",
+        ),
+        (
+            lambda: optim.sgd(lr=0.1, nesterov=1),
+            TypeError,
+            r"sgd: nesterov: expected a bool, got 1",
+        ),
+        (
+            lambda: optim.sgd(lr={"w": -1.0}),
+            ValueError,
+            r"sgd: lr\['w'\]: expected a finite value >= 0",
+        ),
+        (
+            lambda: optim.adam(betas=(0.9,)),
+            ValueError,
+            r"adam: betas: expected a pair \(beta1, beta2\)",
+        ),
+        (
+            lambda: optim.adam(betas=(1.0, 0.999)),
+            ValueError,
+            r"adam: beta1: expected a finite value >= 0 and < 1, got 1.0",
+        ),
+        (lambda: optim.adamw(amsgrad="yes"), TypeError, r"adamw: amsgrad: expected a bool"),
+        (
+            lambda: optim.rmsprop(alpha=2.0),
+            ValueError,
+            r"rmsprop: alpha: expected a finite value >= 0 and <= 1",
+        ),
+        (lambda: optim.rmsprop(centered=None), TypeError, r"rmsprop: centered: expected a bool"),
+        (
+            lambda: optim.sgd(0.1, mask={"w": torch.ones(2, 3)}),
+            TypeError,
+            r"sgd: mask\['w'\]: expected a boolean tensor \(True = trainable\) or None",
+        ),
+        (
+            lambda: optim.sgd(0.1, mask=torch.ones(2, 3, dtype=torch.bool)),
+            TypeError,
+            r"sgd: mask: expected None, or a dict / tuple of boolean tensors",
+        ),
+    ],
+)
+def test_bad_construction_is_explained(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+def test_bad_updates_are_explained():
+    opt = optim.sgd(lr=0.1)
+    state = opt.init(P)
+    with pytest.raises(
+        TypeError,
+        match=(
+            r"sgd.update: betas: expected one of this optimizer's hyperparameters \(lr, "
+            r"momentum, dampening, weight_decay\)"
+        ),
+    ):
+        opt.update(G, state, P, betas=(0.9, 0.9))
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"sgd.update: momentum: expected 0 \(the optimizer was built with "
+            r"momentum=0.*build the optimizer with a nonzero momentum"
+        ),
+    ):
+        opt.update(G, state, P, momentum=0.9)
+    with pytest.raises(
+        TypeError, match=r"sgd.update: state: expected a SGDState from sgd.init\(params\), got"
+    ):
+        opt.update(G, optim.adam().init(P), P)
+    with pytest.raises(ValueError, match=r"sgd.update: state.momentum_buffer: expected a buffer"):
+        optim.sgd(0.1, momentum=0.9).update(G, state, P)
+    with pytest.raises(
+        ValueError,
+        match=r"sgd.update: grads: expected a dict with the keys \['w', 'b'\], got keys \['w'\]",
+    ):
+        opt.update({"w": G["w"]}, state, P)
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"sgd.update: grads\['b'\]: expected a tensor of shape \(3,\) \(the "
+            r"parameter's\), got Tensor\(shape=\(4,\)"
+        ),
+    ):
+        opt.update({"w": G["w"], "b": torch.ones(4)}, state, P)
+    with pytest.raises(
+        TypeError, match=r"sgd.update: grads\['b'\]: expected a torch.Tensor or None, got 1.0"
+    ):
+        opt.update({"w": G["w"], "b": 1.0}, state, P)
+    with pytest.raises(
+        TypeError, match=r"sgd.update: params: expected a dict name -> tensor or a tuple of tensors"
+    ):
+        opt.update(G, state, torch.ones(3))
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"sgd.update: lr: expected a value for every parameter \(parameters: \['w', "
+            r"'b'\]\), got keys \['w'\]"
+        ),
+    ):
+        opt.update(G, state, P, lr={"w": 0.1})
+    with pytest.raises(
+        ValueError,
+        match=r"sgd.update: lr\['b'\]: expected a number or a tensor that broadcasts to \(3,\)",
+    ):
+        opt.update(G, state, P, lr={"w": 0.1, "b": torch.ones(2)})
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"sgd.update: lr: expected one value per parameter in a container like the "
+            r"parameters"
+        ),
+    ):
+        opt.update(G, state, P, lr=(0.1, 0.2))
+    with pytest.raises(
+        ValueError, match=r"adam.update: betas: expected a pair \('beta1', 'beta2'\)"
+    ):
+        optim.adam().update(G, optim.adam().init(P), P, betas=0.9)
+
+
+def test_bad_layouts_are_explained():
+    opt = optim.sgd(0.1, momentum=0.9)
+    with pytest.raises(
+        TypeError,
+        match=r"state_layout\(params, state\): params: expected tensors of one dtype on one device",
+    ):
+        optim.state_layout(
+            {"w": torch.ones(2), "b": torch.ones(2, dtype=torch.float64)},
+            opt.init({"w": torch.ones(2), "b": torch.ones(2)}),
+        )
+    with pytest.raises(
+        TypeError, match=r"state_layout\(params, state\): state: expected an optimizer state"
+    ):
+        optim.state_layout(P, {"momentum": 1})
+    layout = optim.state_layout(P, opt.init(P))
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"StateLayout.unflatten: vector: expected a 1-d tensor of 18 elements, got "
+            r"Tensor\(shape=\(17,\)"
+        ),
+    ):
+        layout.unflatten(torch.zeros(17), step=0)
+    assert "StateLayout(size=18, num_params=9" in repr(layout)
+    assert (
+        repr(optim.sgd(0.1))
+        == "sgd(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, "
+        "maximize=False)"
+    )
+    assert optim.sgd.__module__ == "gradkit.optim" and optim.SGDState.__module__ == "gradkit.optim"
