@@ -304,3 +304,39 @@ def test_derived_quantities_match_definitions():
     with pytest.raises(ValueError, match="loss: expected a positive loss value"):
         gradkit.per_example.cabs_batch_size(stats, lr=0.1, loss=0.0)
     assert "noise scale" in stats.summary() and "weight" in stats.summary()
+
+
+@pytest.mark.parametrize("quantity", ["variance", "batch_grad", "batch_l2"])
+def test_tracker_and_captures_are_freed(quantity):
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    refs = []
+    with track(model, quantity) as stats:
+        model(torch.randn(4, 6)).sum().backward()
+    refs.append(weakref.ref(stats))
+    with track(model, "mean") as never_backwarded:
+        out = model(torch.randn(4, 6)).sum()
+    refs.append(weakref.ref(never_backwarded))
+    del stats, never_backwarded, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_retained_graph_of_a_shared_layer_counts_each_backward_once():
+    from .settings import Twice
+
+    torch.manual_seed(0)
+    model = Twice().double()
+    x = torch.randn(3, 4, dtype=D)
+    ref = per_example_grads(model, lambda o, t: (o**3).sum(), x, None)
+    with track(model, "mean", "variance") as stats:
+        loss = (model(x) ** 3).sum(1).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert stats.num_examples == 6
+    for name, g in ref.items():
+        assert_close(
+            [stats[name].mean, stats[name].variance], [g.mean(0), g.var(0, unbiased=False)]
+        )

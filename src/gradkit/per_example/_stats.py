@@ -96,6 +96,8 @@ def accumulate(
             acc.l2.append(l2_direct.to(acc.dtype) * scale**2)
     need_l2 = "batch_l2" in want.quantities and l2_direct is None
     keep = "batch_grad" in want.quantities
+    if keep:  # all blocks are kept anyway: one block, no concatenation later
+        chunk_size = max(chunk_size, pe.num_examples)
     if remaining or need_l2 or keep:
         for block in pe.chunks(chunk_size):
             g = block.to(acc.dtype)  # blocks are fresh tensors: scale and square in place
@@ -172,8 +174,7 @@ class ParamStats:
         n = self._acc.n
         s1 = self._sum(1, "variance", "'variance'")
         s2 = self._sum(2, "variance", "'variance'")
-        mean = s1 / n
-        v = (s2 / n - mean.square()).clamp_min(0)
+        v = torch.addcmul(s2, s1, s1, value=-1.0 / n).div_(n).clamp_min_(0)
         if self._unbiased if unbiased is None else unbiased:
             if n < 2:
                 raise GradkitError(

@@ -60,6 +60,20 @@ class _UseRecord:
     buffered: dict[int, torch.Tensor] = field(default_factory=dict)  # edge sums before deciding
     from_edges: dict[int, bool] = field(default_factory=dict)  # decided: mean read at the edges
 
+    def release_graph(self) -> None:
+        """Drop the references to graph nodes once this backward has read them. The record
+        lives in hooks on the graph's own nodes, so a node kept here would make a cycle
+        through C++ that Python's garbage collector cannot see (the tracker, its results and
+        the inputs would leak). A later backward through a retained graph then takes the mean
+        from the rule's output instead of the edges."""
+        self.edges, self.leaves, self.buffered = {}, {}, {}
+        self.from_edges = dict.fromkeys(self.from_edges, False)
+
+    def release(self) -> None:
+        """Drop everything (the tracker is closed)."""
+        self.release_graph()
+        self.inputs, self.kwargs = (), {}
+
 
 @dataclass
 class _ModuleState:
@@ -233,6 +247,8 @@ class Tracker(Mapping[str, ParamStats]):
         self._active = False
         self._callback_queued = False
         self._in_rule = False
+        self._records: list[_UseRecord] = []  # uses whose graph references are still held
+        self._done: list[_UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
 
     # -- context manager ---------------------------------------------------------------------
@@ -270,6 +286,9 @@ class Tracker(Mapping[str, ParamStats]):
         for st in self._states:
             st.pending.clear()
             st.forward_count = 0
+        for record in self._records:  # uses never backwarded: break their graph cycles
+            record.release()
+        self._records.clear()
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -302,6 +321,7 @@ class Tracker(Mapping[str, ParamStats]):
                     targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
             edges = _param_edges([t.grad_fn for t in live], stops, targets)
             record = _UseRecord(inputs, kwargs, n, edges, {pid: nd for nd, pid in targets.items()})
+            self._records.append(record)
             st.forward_count += 1
             if isinstance(output, torch.Tensor):
                 output.register_hook(lambda g: self._on_output_grad(st, record, g))
@@ -396,6 +416,7 @@ class Tracker(Mapping[str, ParamStats]):
                 "examples (weight tying): run backward after each micro-batch"
             )
         n = ns.pop()
+        self._done.extend(r for r, _ in pending)
         uses = [Use(r.inputs, g, r.kwargs) for r, g in pending]
         self._in_rule = True
         try:
@@ -448,6 +469,11 @@ class Tracker(Mapping[str, ParamStats]):
                 self._process(st)
             st.forward_count = 0
         deferred, self._deferred = self._deferred, {}
+        done, self._done = {id(r) for r in self._done}, []
+        for record in self._records:
+            if id(record) in done:
+                record.release_graph()
+        self._records = [r for r in self._records if id(r) not in done]
         for pid, parts in deferred.items():
             pe = parts[0][0] if len(parts) == 1 else _combine([p for p, _, _ in parts])
             given = all(g for _, g, _ in parts)
