@@ -92,3 +92,11 @@ def test_cli_rejects_bad_threads(tmp_path):
     with pytest.raises(SystemExit):
         main(["--threads", "0", "--out", str(tmp_path)])
     assert not (tmp_path / "func.json").exists()
+
+
+@pytest.mark.parametrize("suite", ["accumulate", "curvature"])
+def test_other_suites_smoke(tmp_path, capsys, suite):
+    assert main(["--suite", suite, "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / f"{suite}.json").read_text())
+    assert result["suite"] == suite and result["summary"]["all_agree"]
+    assert (tmp_path / f"{suite}.md").read_text().startswith(f"# gradkit benchmarks: {suite}")

@@ -3,8 +3,12 @@
 ``main(argv)`` runs the chosen suites with a fixed thread count, writes ``<out>/<suite>.json``
 (machine, settings, absolute medians, ratios, agreement, targets) and ``<out>/<suite>.md``
 (ratios and a PASS/FAIL summary) and prints the markdown. The exit status is 0 when every
-result agrees numerically with its reference, 1 otherwise; timing targets never change it
-(machines are noisy: read the report).
+result agrees numerically with its reference, 1 otherwise; timing and memory targets never
+change it (machines are noisy: read the report).
+
+Suites: ``func`` (gradkit.func against torch.func and torch.autograd.functional) and
+``per_example`` (gradkit.per_example against BackPACK, Opacus and torch.func; with memory on, the
+peak memory of the variance too, one subprocess per variant).
 """
 
 from __future__ import annotations
@@ -18,14 +22,23 @@ from typing import Any
 
 import torch
 
-from gradkit._bench import func
+from gradkit._bench import accumulate, curvature, func, per_example
 from gradkit._bench._case import Case, Settings, run_case
 from gradkit._bench._report import render_markdown, summary_rows, write_outputs
 from gradkit._bench._timing import machine_info, num_threads
 
 __all__ = ["SUITES", "main", "run_suite"]
 
-SUITES: dict[str, Callable[[], list[Case]]] = {"func": func.build_cases}
+SUITES: dict[str, Callable[[], list[Case]]] = {
+    "func": func.build_cases,
+    "per_example": per_example.build_cases,
+    "accumulate": accumulate.build_cases,
+    "curvature": curvature.build_cases,
+}
+# suites whose builder takes the mode (e.g. smaller batches in smoke runs)
+_BY_MODE: dict[str, Callable[[str], list[Case]]] = {"per_example": per_example.build_cases}
+# suites that measure peak memory in subprocesses when asked (--memory)
+_MEMORY: dict[str, Callable[..., None]] = {"per_example": per_example.add_memory}
 
 _MODES = {
     "full": Settings(repeats=31, warmup=2, min_sample_s=0.05),
@@ -40,14 +53,18 @@ def run_suite(
     mode: str = "full",
     threads: int = 1,
     seed: int = 0,
+    memory: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one suite and return its results as a JSON-ready dict (nothing is written)."""
+    """Run one suite and return its results as a JSON-ready dict (nothing is written).
+
+    ``memory``: also measure peak memory where the suite does (in subprocesses, after timing).
+    """
     settings = _MODES[mode]
     started = time.perf_counter()
     with num_threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        cases = SUITES[name]()
+        cases = _BY_MODE[name](mode) if name in _BY_MODE else SUITES[name]()
         results = []
         for case in cases:
             if log is not None:
@@ -56,6 +73,10 @@ def run_suite(
             results.append(run_case(case, settings))
             if log is not None:
                 log(f"[{name}] {case.key} done in {time.perf_counter() - t0:.1f} s")
+        del cases
+    memory = memory and name in _MEMORY
+    if memory:
+        _MEMORY[name](results, threads=threads, seed=seed, mode=mode, log=log)
     result: dict[str, Any] = {
         "suite": name,
         "machine": machine_info(threads),
@@ -66,6 +87,7 @@ def run_suite(
             "min_sample_s": settings.min_sample_s,
             "seed": seed,
             "threads": threads,
+            "memory": memory,
         },
         "cases": results,
     }
@@ -97,6 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=1, help="torch.set_num_threads for the run (default: 1)"
     )
     p.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="per_example suite: also measure the peak memory of the variance, one subprocess "
+        "per variant (default: on in full runs, off with --quick)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("benchmarks/results"),
@@ -119,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     for name in names:
-        result = run_suite(name, mode=mode, threads=args.threads, log=log)
+        memory = mode == "full" if args.memory is None else args.memory
+        result = run_suite(name, mode=mode, threads=args.threads, memory=memory, log=log)
         json_path, md_path = write_outputs(result, args.out)
         print(render_markdown(result))
         print(f"Wrote {json_path} and {md_path}")

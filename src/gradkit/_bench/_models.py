@@ -12,7 +12,7 @@ from torch.func import jacfwd, jacrev, vmap
 
 import gradkit.func as gf
 
-__all__ = ["apply_mlp", "mlp", "mlp_name", "warm_up"]
+__all__ = ["apply_mlp", "deepobs_3c3d", "mlp", "mlp_name", "relu_mlp", "seq_linear", "warm_up"]
 
 
 def mlp(sizes: Sequence[int], dtype: torch.dtype = torch.float32) -> nn.Sequential:
@@ -23,6 +23,45 @@ def mlp(sizes: Sequence[int], dtype: torch.dtype = torch.float32) -> nn.Sequenti
             layers.append(nn.Tanh())
         layers.append(nn.Linear(a, b))
     return nn.Sequential(*layers).to(dtype)
+
+
+def relu_mlp(sizes: Sequence[int]) -> nn.Sequential:
+    """``Linear`` layers of the given widths with ``ReLU`` between them (none at the end)."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+def seq_linear(features: int) -> nn.Sequential:
+    """``Linear(features, features)`` applied position-wise to ``[N, T, features]``, then
+    ``Flatten``: ``[N, T * features]``."""
+    return nn.Sequential(nn.Linear(features, features), nn.Flatten())
+
+
+def deepobs_3c3d(num_classes: int = 10) -> nn.Sequential:
+    """The DeepOBS 3c3d CNN for ``[N, 3, 32, 32]`` inputs: conv 5x5 (64) -> conv 3x3 (96) ->
+    conv 3x3 (128, padding 1), each followed by ReLU and max-pooling 3/2 (padding 1), then
+    dense 1152-512-256-``num_classes`` with ReLUs."""
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(64, 96, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Flatten(),
+        nn.Linear(1152, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
+        nn.Linear(256, num_classes),
+    )
 
 
 def mlp_name(sizes: Sequence[int]) -> str:

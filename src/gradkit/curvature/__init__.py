@@ -1,0 +1,35 @@
+"""gradkit.curvature: matrix-free Hessian, GGN and Fisher operators with safe estimators.
+
+* Operators on ``(model, loss_fn, data)``: :class:`Hessian`, :class:`GGN`, :class:`Fisher`
+  (Monte Carlo or empirical), all :class:`CurvatureOperator`: ``op @ v``, ``op @ V``,
+  ``op.dense()``, ``op.to_scipy()``, full or block-diagonal, one batch or many.
+* Functions on operators: :func:`diagonal` (exact where cheap, Hutchinson, Hutch++),
+  :func:`trace` (Hutch++, Hutchinson, exact), :func:`eigenvalues` (Lanczos with full
+  reorthogonalization), :func:`spectral_density` (stochastic Lanczos quadrature).
+"""
+
+from gradkit.curvature._base import CurvatureOperator
+from gradkit.curvature._estimators import Estimate, diagonal, trace
+from gradkit.curvature._fisher import Fisher
+from gradkit.curvature._ggn import GGN
+from gradkit.curvature._hessian import Hessian
+from gradkit.curvature._lanczos import SpectralDensity, eigenvalues, spectral_density
+
+__all__ = [
+    "GGN",
+    "CurvatureOperator",
+    "Estimate",
+    "Fisher",
+    "Hessian",
+    "SpectralDensity",
+    "diagonal",
+    "eigenvalues",
+    "spectral_density",
+    "trace",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("gradkit.curvature._"):
+        _obj.__module__ = __name__
+del _name, _obj

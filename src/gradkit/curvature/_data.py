@@ -1,0 +1,268 @@
+"""What a curvature operator is built from: the model's selected parameters, the loss and the data.
+
+Conventions (shared by every operator):
+
+* ``data`` is one pair ``(inputs, targets)`` (``targets`` a tensor) or a re-iterable of such
+  pairs (a list, a ``DataLoader``); ``model(*inputs)`` is called when ``inputs`` is a tuple;
+* examples are indexed by dimension 0 of the inputs, the outputs and the targets;
+* ``reduction`` says how ``loss_fn`` combines the examples of one batch: ``"mean"`` (batch ``b``
+  of ``n_b`` examples then weighs ``n_b / N``, so several batches equal one batch of ``N``) or
+  ``"sum"`` (weight 1);
+* the parameters are those with ``requires_grad=True`` (frozen ones are skipped) or those named
+  in ``params``, in ``model.named_parameters()`` order; buffers are never changed: modules in
+  training mode that own buffers (BatchNorm running statistics) run on copies of them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradkit._errors import describe, message
+from gradkit._validate import check_choice, check_module
+
+__all__ = ["Data", "LossFn", "find_error_nodes", "select_params"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+Batch = tuple[Any, torch.Tensor]
+
+
+def select_params(
+    model: nn.Module, params: Iterable[str] | str | None, call: str
+) -> dict[str, torch.Tensor]:
+    """The differentiated parameters by name, in ``model.named_parameters()`` order."""
+    check_module(model, call, "pass the model whose curvature to compute")
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
+    if params is None:
+        chosen = {n: p for n, p in named.items() if p.requires_grad}
+    else:
+        if isinstance(params, str):
+            params = [params]
+        wanted = list(params)
+        bad = [n for n in wanted if not isinstance(n, str) or n not in named]
+        if bad:
+            raise ValueError(
+                message(
+                    call,
+                    "params",
+                    "names from model.named_parameters()",
+                    repr(bad),
+                    f"choose among {list(named)[:8]}",
+                )
+            )
+        frozen = [n for n in wanted if not named[n].requires_grad]
+        if frozen:
+            raise ValueError(
+                message(
+                    call,
+                    "params",
+                    "parameters with requires_grad=True",
+                    f"frozen {frozen}",
+                    "unfreeze them or leave them out of params",
+                )
+            )
+        chosen = {n: p for n, p in named.items() if n in set(wanted)}
+    if not chosen:
+        raise ValueError(
+            message(
+                call,
+                "params",
+                "at least one parameter with requires_grad=True",
+                "none (all frozen or none selected)",
+                "set requires_grad=True or name parameters in params=",
+            )
+        )
+    dtypes = {p.dtype for p in chosen.values()}
+    devices = {p.device for p in chosen.values()}
+    if len(dtypes) != 1 or len(devices) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise TypeError(
+            message(
+                call,
+                "model",
+                "floating-point parameters of one dtype on one device",
+                f"dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}",
+                "convert the model with model.to(dtype, device)",
+            )
+        )
+    return chosen
+
+
+def _is_pair(data: Any) -> bool:
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        return False
+    inputs, targets = data
+    ok_inputs = isinstance(inputs, torch.Tensor) or (
+        isinstance(inputs, tuple) and any(isinstance(t, torch.Tensor) for t in inputs)
+    )
+    return ok_inputs and isinstance(targets, torch.Tensor)
+
+
+def _batch_size(inputs: Any, call: str) -> int:
+    first = (
+        inputs
+        if isinstance(inputs, torch.Tensor)
+        else next(t for t in inputs if isinstance(t, torch.Tensor))
+    )
+    if first.dim() == 0:
+        raise ValueError(
+            message(
+                call,
+                "data",
+                "inputs with a batch dimension (dimension 0)",
+                describe(first),
+                "add one with x.unsqueeze(0)",
+            )
+        )
+    return int(first.shape[0])
+
+
+def _walk(roots: Iterable[Any]) -> Iterator[Any]:
+    seen: set[Any] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+
+def find_error_nodes(forward: torch.Tensor, grads: Iterable[torch.Tensor | None]) -> list[str]:
+    """Names of nodes in the graph of the first gradients ``grads`` that silently drop a second
+    backward: the ``Error`` nodes an ``@once_differentiable`` backward leaves. Only custom
+    ``autograd.Function`` nodes in the forward graph (of ``forward``) can leave them, so that
+    smaller graph is searched first."""
+    custom = torch.autograd.function.BackwardCFunction
+    if not any(isinstance(n, custom) for n in _walk([forward.grad_fn])):
+        return []
+    roots = [t.grad_fn for t in grads if t is not None and t.grad_fn is not None]
+    return sorted({n.name() for n in _walk(roots) if "Error" in type(n).__name__})
+
+
+class Data:
+    """The model, the loss and the batches of one operator.
+
+    Attributes:
+        single: whether ``data`` was one pair (products then reuse one kept graph).
+        num_examples: ``N``, the examples over all batches.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        data: Any,
+        *,
+        reduction: str,
+        call: str,
+    ) -> None:
+        self.call = call
+        self.model = model
+        self._buffered = [m for m in model.modules() if next(m.buffers(False), None) is not None]
+        if not callable(loss_fn):
+            raise TypeError(
+                message(
+                    call,
+                    "loss_fn",
+                    "a callable loss_fn(output, target) returning a scalar",
+                    describe(loss_fn),
+                    "pass e.g. torch.nn.functional.cross_entropy",
+                )
+            )
+        self.loss_fn = loss_fn
+        self.reduction = check_choice(reduction, ("mean", "sum"), call, "reduction")
+        declared = getattr(loss_fn, "reduction", None)
+        if isinstance(declared, str) and declared != reduction:
+            raise ValueError(
+                message(
+                    call,
+                    "reduction",
+                    f"the reduction loss_fn uses ({declared!r})",
+                    repr(reduction),
+                    f"pass reduction={declared!r}"
+                    if declared in ("mean", "sum")
+                    else "use a loss with reduction 'mean' or 'sum' (it must return a scalar)",
+                )
+            )
+        self.single = _is_pair(data)
+        if self.single:
+            self._batches: Any = [tuple(data)]
+            self.num_examples = _batch_size(data[0], call)
+            return
+        if not isinstance(data, Iterable) or isinstance(data, (str, bytes, dict, torch.Tensor)):
+            raise TypeError(self._data_error(data))
+        if iter(data) is data:
+            raise TypeError(
+                message(
+                    call,
+                    "data",
+                    "a pair (inputs, targets) or a re-iterable of pairs (list, DataLoader)",
+                    f"a one-shot iterator ({type(data).__name__})",
+                    "pass list(data): products iterate over the batches again",
+                )
+            )
+        self._batches = data
+        self.num_examples = sum(n for _, _, n in self)
+        if self.num_examples == 0:
+            raise ValueError(
+                message(call, "data", "at least one example", "no batches", "pass non-empty data")
+            )
+
+    def _data_error(self, got: Any) -> str:
+        return message(
+            self.call,
+            "data",
+            "a pair (inputs, targets) with a tensor of targets, or an iterable of such pairs",
+            describe(got),
+            "pass data=(x, y) or data=[(x1, y1), (x2, y2), ...]",
+        )
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor, int]]:
+        for batch in self._batches:
+            if not _is_pair(batch):
+                raise TypeError(self._data_error(batch))
+            yield batch[0], batch[1], _batch_size(batch[0], self.call)
+
+    def weight(self, n: int) -> float:
+        """The weight of a batch of ``n`` examples in the total (1 for a single batch)."""
+        if self.single or self.reduction == "sum":
+            return 1.0
+        return n / self.num_examples
+
+    def forward(self, inputs: Any) -> Any:
+        """``model(inputs)``; modules in training mode that own buffers use copies of them."""
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        model = self.model
+        if not any(m.training for m in self._buffered):
+            return model(*args)
+        copies = {n: b.clone() for n, b in model.named_buffers()}
+        return torch.func.functional_call(model, copies, args, strict=False)
+
+    def loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise ValueError(
+                message(
+                    self.call,
+                    "loss_fn",
+                    "a loss returning a floating-point scalar tensor",
+                    describe(loss),
+                    "reduce the per-example losses with reduction='mean' or 'sum'",
+                )
+            )
+        return loss if loss.dim() == 0 else loss.reshape(())
+
+    def warn_unused(self, names: list[str]) -> None:
+        if names:
+            warnings.warn(
+                f"{self.call}: parameters {names} do not affect the loss of the first batch; "
+                "their rows and columns are zero (leave them out with params=[...] or freeze "
+                "them)",
+                UserWarning,
+                stacklevel=4,
+            )

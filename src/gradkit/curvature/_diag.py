@@ -1,0 +1,107 @@
+r"""Exact diagonals.
+
+* GGN and Fisher: ``J^T M J`` with ``M_n = sum_c s_nc s_nc^T`` per example, so
+
+  .. math:: \operatorname{diag}\Big(\sum_n J_n^\top M_n J_n\Big)
+            = \sum_c \sum_n (J_n^\top s_{nc})^2,
+
+  a sum of squared *per-example* gradients: backpropagating each column ``s_c`` as the output
+  gradient under ``gradkit.per_example.track(model, "second_moment", loss_reduction="sum")``
+  gives ``sum_n (J_n^T s_nc)^2`` exactly, in one backward per column (``C - 1`` for cross
+  entropy with ``C`` classes). Negative columns (losses not convex in the output) go through a
+  second tracker and are subtracted.
+* Any operator (the Hessian): ``e_j^T C e_j`` from products with unit vectors, ``chunk``
+  columns at a time, for up to ``max_size`` parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradkit._errors import GradkitError, message
+
+__all__ = ["factor_diagonal", "unit_diagonal"]
+
+Factors = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def unit_diagonal(
+    product: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    max_size: int,
+    call: str,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """``diag(C)`` from ``product(E)`` for ``chunk`` unit vectors ``E`` ``[n, chunk]`` at a
+    time."""
+    if n > max_size:
+        raise GradkitError(
+            message(
+                call,
+                "max_size",
+                f"at least the number of parameters ({n}) for an exact diagonal by unit vectors",
+                str(max_size),
+                "raise max_size (it costs n products), or use method='hutch++' / 'hutchinson'",
+            )
+        )
+    out = torch.empty(n, dtype=dtype, device=device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        E = torch.zeros(n, stop - start, dtype=dtype, device=device)
+        E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+        out[start:stop] = product(E)[start:stop].diagonal().to(dtype)
+    return out
+
+
+def _push(op: Any, out: torch.Tensor, cols: torch.Tensor) -> None:
+    if not out.requires_grad:
+        return
+    for c in cols:
+        torch.autograd.grad(out, op._params, c, retain_graph=True, allow_unused=True)
+
+
+def _read(op: Any, stats: Any) -> torch.Tensor:
+    parts = []
+    for name, p in zip(op.names, op._params, strict=True):
+        if name in stats and stats[name].num_examples > 0:
+            st = stats[name]
+            parts.append((st.second_moment * st.num_examples).reshape(-1).to(torch.float64))
+        else:
+            parts.append(torch.zeros(p.numel(), dtype=torch.float64, device=p.device))
+    return torch.cat(parts)
+
+
+def factor_diagonal(op: Any, factors: Factors, *, call: str) -> torch.Tensor:
+    """The exact diagonal of ``sum_b w_b J_b^T M_b J_b`` given ``factors(out, targets, index)
+    -> (pos [C+, *out], neg [C-, *out])`` per batch (see the module docstring)."""
+    from gradkit.per_example import track
+
+    data = op._data
+    total = torch.zeros(op.shape[0], dtype=torch.float64, device=op.device)
+    for index, (inputs, targets, n) in enumerate(data):
+        weight = data.weight(n)
+        try:
+            with torch.enable_grad():
+                with track(data.model, "second_moment", loss_reduction="sum") as stats:
+                    out = data.forward(inputs)
+                    pos, neg = factors(out.detach(), targets, index)
+                    _push(op, out, pos)
+                total += weight * _read(op, stats)
+                if neg.shape[0]:
+                    with track(data.model, "second_moment", loss_reduction="sum") as stats:
+                        _push(op, data.forward(inputs), neg)
+                    total -= weight * _read(op, stats)
+        except GradkitError as err:
+            if str(err).startswith(call):
+                raise
+            raise GradkitError(
+                f"{call}: per-example gradients are not available for this model ({err}); "
+                "use method='hutchinson' or 'hutch++'"
+            ) from err
+    return total.to(op.dtype)

@@ -1,0 +1,274 @@
+"""The generalized Gauss-Newton matrix ``J^T H_out J`` as a matrix-free operator.
+
+Index legend: ``n`` example, ``o`` output feature (all output dimensions but the first, flat),
+``k`` vectors, ``P`` parameters.
+
+Products use autograd only (no forward-mode AD, so an ``autograd.Function`` without ``jvp``
+works):
+
+1. ``J v`` by the double-backward trick: with ``u`` a dummy output gradient that requires
+   grad, ``g(u) = J^T u`` is one backward with ``create_graph=True`` (built once per batch);
+   ``J v`` is the gradient of ``<g(u), v>`` w.r.t. ``u``, one backward through that graph;
+2. ``H_out (J v)`` by double backward of the loss w.r.t. the detached output (tiny);
+3. ``J^T (...)`` by one backward through the forward graph (kept).
+
+About 2x a gradient from scratch; the loss Hessian ``H_out`` is never materialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradkit._errors import GradkitError, describe, message
+from gradkit._validate import is_batching_error
+from gradkit.curvature._base import CurvatureOperator, Layout, Point
+from gradkit.curvature._data import Data, LossFn, find_error_nodes
+from gradkit.curvature._diag import factor_diagonal
+
+__all__ = ["GGN", "JPoint", "LossHessian", "loss_hessian_blocks", "output_factors"]
+
+
+class JPoint:
+    """The model's Jacobian ``J`` (output w.r.t. parameters) at one batch: ``jvp`` and ``vjp``,
+    both batched over a leading dimension of vectors on request."""
+
+    def __init__(self, layout: Layout, data: Data, inputs: Any) -> None:
+        self._layout = layout
+        out = data.forward(inputs)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() == 0:
+            raise TypeError(
+                message(
+                    data.call,
+                    "model",
+                    "a model returning one floating-point tensor with a batch dimension",
+                    describe(out),
+                    "wrap the model so that it returns the tensor the loss takes",
+                )
+            )
+        self.out = out
+        self.u = torch.zeros_like(out, requires_grad=True)
+        if out.requires_grad:
+            self.g: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
+                out, layout.params, self.u, create_graph=True, allow_unused=True
+            )
+        else:
+            self.g = (None,) * len(layout.params)
+        self.unused = [i for i, g in enumerate(self.g) if g is None]
+        self.errors = find_error_nodes(out, self.g)
+        self._live = [i for i, g in enumerate(self.g) if g is not None and g.requires_grad]
+
+    def jvp(self, v: torch.Tensor, batched: bool = False) -> torch.Tensor:
+        """``J v``: ``[P] -> out.shape`` (``[k, P] -> [k, *out.shape]`` when batched)."""
+        lead = (v.shape[0],) if batched else ()
+        if not self._live:
+            return self.out.new_zeros((*lead, *self.out.shape))
+        parts = self._layout.split(v, batched)
+        (res,) = torch.autograd.grad(
+            [g for g in self.g if g is not None and g.requires_grad],
+            [self.u],
+            [parts[i] for i in self._live],
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+        return self.out.new_zeros((*lead, *self.out.shape)) if res is None else res
+
+    def vjp(self, w: torch.Tensor, batched: bool = False) -> torch.Tensor:
+        """``J^T w``: ``out.shape -> [P]`` (``[k, *out.shape] -> [k, P]`` when batched)."""
+        lay = self._layout
+        lead = (w.shape[0],) if batched else ()
+        if not self.out.requires_grad:
+            return w.new_zeros((*lead, lay.n))
+        res = torch.autograd.grad(
+            self.out,
+            lay.params,
+            w,
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+        parts = [
+            p.new_zeros((*lead, *p.shape)) if r is None else r
+            for r, p in zip(res, lay.params, strict=True)
+        ]
+        return lay.cat(parts, batched)
+
+
+class LossHessian:
+    """``H_out``, the Hessian of the loss w.r.t. the (detached) model output, applied by double
+    backward; ``r`` is the loss gradient w.r.t. the output."""
+
+    def __init__(self, data: Data, out: torch.Tensor, targets: torch.Tensor) -> None:
+        self.od = out.detach().requires_grad_(True)
+        loss = data.loss(self.od, targets)
+        (r,) = torch.autograd.grad(loss, self.od, create_graph=True, allow_unused=True)
+        self.r = torch.zeros_like(self.od) if r is None else r
+
+    def apply(self, U: torch.Tensor, batched: bool = False) -> torch.Tensor:
+        if not self.r.requires_grad:  # a loss linear in the output
+            return torch.zeros_like(U)
+        (res,) = torch.autograd.grad(
+            self.r, self.od, U, retain_graph=True, allow_unused=True, is_grads_batched=batched
+        )
+        return torch.zeros_like(U) if res is None else res
+
+
+class _GGNPoint(Point):
+    def __init__(self, layout: Layout, data: Data, inputs: Any, targets: torch.Tensor) -> None:
+        self.j = JPoint(layout, data, inputs)
+        self.h = LossHessian(data, self.j.out, targets)
+        self.unused, self.errors = self.j.unused, self.j.errors
+
+    def apply(self, v: torch.Tensor) -> torch.Tensor:
+        return self.j.vjp(self.h.apply(self.j.jvp(v)))
+
+    def apply_batched(self, V: torch.Tensor) -> torch.Tensor:
+        return self.j.vjp(self.h.apply(self.j.jvp(V, True), True), True)
+
+
+class GGN(CurvatureOperator):
+    r"""The generalized Gauss-Newton matrix, matrix-free.
+
+    .. math:: G = \sum_b w_b\, J_b^\top H_b J_b, \qquad
+              J_b = \frac{\partial f_\theta(x_b)}{\partial \theta},\quad
+              H_b = \nabla^2_{f}\, \ell(f, y_b)\big|_{f = f_\theta(x_b)}
+
+    with ``w_b = n_b / N`` (mean) or 1 (sum). ``G`` is positive semi-definite for losses convex
+    in the output (cross entropy, MSE); it equals the Hessian when the model is linear in the
+    parameters, or piecewise linear (ReLU networks) with MSE. Each product is about 2x a
+    gradient (autograd only: ``J v`` by the double-backward trick, ``H_out`` by double backward
+    of the loss w.r.t. the output, ``J^T`` by a backward). :func:`diagonal` gives its exact
+    diagonal from per-example gradients (:mod:`gradkit.per_example`).
+
+    Args:
+        model: the model; it must return one tensor, the loss's first argument, with the
+            examples along dimension 0.
+        loss_fn: ``loss_fn(output, targets)`` returning a scalar.
+        data: a pair ``(inputs, targets)`` or a re-iterable of pairs.
+        params, blocks, reduction, vectorize, chunk_size: as for :class:`Hessian`.
+
+    Returns:
+        A :class:`CurvatureOperator` of shape ``(P, P)``.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from gradkit.curvature import GGN, Hessian
+        >>> torch.manual_seed(0)
+        <torch._C.Generator object at ...>
+        >>> model = nn.Linear(3, 2).double()
+        >>> x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+        >>> G = GGN(model, nn.functional.mse_loss, (x, y))
+        >>> torch.allclose(G.dense(), Hessian(model, nn.functional.mse_loss, (x, y)).dense())
+        True
+    """
+
+    _kind = "GGN"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        data: Any,
+        *,
+        params: Iterable[str] | str | None = None,
+        blocks: Any = "full",
+        reduction: str = "mean",
+        vectorize: bool | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            loss_fn,
+            data,
+            params=params,
+            blocks=blocks,
+            reduction=reduction,
+            vectorize=vectorize,
+            chunk_size=chunk_size,
+        )
+        self._start()
+
+    def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
+        return _GGNPoint(self._layout, self._data, inputs, targets)
+
+    def _exact_diagonal(self, *, max_size: int, max_memory: int, call: str) -> torch.Tensor:
+        def factors(
+            out: torch.Tensor, targets: torch.Tensor, index: int
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return output_factors(self._data, out, targets, max_memory=max_memory, call=call)
+
+        return factor_diagonal(self, factors, call=call)
+
+
+def loss_hessian_blocks(
+    data: Data, out: torch.Tensor, targets: torch.Tensor, *, max_memory: int, call: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every example's block of the loss Hessian w.r.t. the output, ``[N, O, O]`` in float64,
+    and the loss gradient w.r.t. the output ``[N, O]``.
+
+    The blocks come from ``O`` batched products of the loss Hessian: exact for a loss that is a
+    sum over examples, which is checked with one random product.
+    """
+    h = LossHessian(data, out, targets)
+    n = out.shape[0]
+    o = out[0].numel()
+    need = n * o * o * 8 * 3
+    if need > max_memory:
+        raise GradkitError(
+            message(
+                call,
+                "max_memory",
+                f"room for the per-example loss Hessians ({n} x {o} x {o}, {need / 2**20:.0f} MiB)",
+                f"{max_memory / 2**20:.0f} MiB",
+                "raise max_memory, or use method='hutchinson' / 'hutch++'",
+            )
+        )
+    eye = torch.eye(o, dtype=out.dtype, device=out.device)
+    E = eye[:, None, :].expand(o, n, o).reshape(o, *out.shape)
+    try:
+        HE = h.apply(E, batched=True)
+    except RuntimeError as err:
+        if not is_batching_error(err):
+            raise
+        HE = torch.stack([h.apply(e) for e in E])
+    blocks = HE.reshape(o, n, o).permute(1, 2, 0).double()  # [n, row, col]
+    gen = torch.Generator(device=out.device).manual_seed(0)
+    z = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
+    direct = h.apply(z).reshape(n, o).double()
+    assembled = torch.einsum("nij,nj->ni", blocks, z.reshape(n, o).double())
+    scale = float(direct.abs().max()) + float(assembled.abs().max())
+    eps = torch.finfo(out.dtype).eps
+    if float((direct - assembled).abs().max()) > 1e3 * eps * max(scale, 1e-300):
+        raise GradkitError(
+            f"{call}: the loss couples examples (its Hessian w.r.t. "
+            "the output is not block-diagonal over dimension 0), so the exact diagonal from "
+            "per-example terms does not apply; use method='hutchinson' or 'hutch++'"
+        )
+    return (blocks + blocks.transpose(1, 2)) / 2, h.r.detach().reshape(n, o)
+
+
+def output_factors(
+    data: Data, out: torch.Tensor, targets: torch.Tensor, *, max_memory: int, call: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns ``s_c`` with ``H_n = sum_c s_nc s_nc^T - sum_c t_nc t_nc^T`` for every example's
+    block of the loss Hessian w.r.t. the output: ``(s [C+, *out], t [C-, *out])``, from an
+    eigenvalue decomposition in float64 of each block (:func:`loss_hessian_blocks`).
+    """
+    blocks, _ = loss_hessian_blocks(data, out, targets, max_memory=max_memory, call=call)
+    o = blocks.shape[1]
+    lam, vecs = torch.linalg.eigh(blocks)
+    tiny = o * torch.finfo(torch.float64).eps * 4 * lam.abs().amax(1, keepdim=True)
+    cols = vecs * lam.abs().sqrt()[:, None, :]  # [n, o, c]
+    pos = torch.where((lam > tiny)[:, None, :], cols, 0.0)
+    neg = torch.where((lam < -tiny)[:, None, :], cols, 0.0)
+
+    def pick(c: torch.Tensor) -> torch.Tensor:
+        keep = c.abs().amax((0, 1)) > 0
+        return c[:, :, keep].permute(2, 0, 1).reshape(-1, *out.shape).to(out.dtype)
+
+    return pick(pos), pick(neg)

@@ -1,0 +1,185 @@
+"""GGN and Fisher against J^T H_out J, per-example gradients and each other; exact diagonals;
+block-diagonal operators (curvature.md 4.3, cases 5 and 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradkit import GradkitError
+from gradkit.curvature import GGN, Fisher, Hessian, diagonal
+from gradkit.testing import assert_close
+
+from ._oracles import D, ce_problem, dense_ggn, dense_hessian, mse_problem, per_example, rel
+
+
+def _bce(out, target):
+    return F.binary_cross_entropy_with_logits(out, target)
+
+
+def _sine(out, target):  # separable over examples, not convex in the output
+    return (out.sin() * target).sum() / out.shape[0]
+
+
+LOSSES = {
+    "ce": lambda: ce_problem(),
+    "mse": lambda: mse_problem(),
+    "bce": lambda: (lambda m, _, b: (m, _bce, (b[0], torch.rand_like(b[1]))))(*mse_problem()),
+    "sine": lambda: (lambda m, _, b: (m, _sine, b))(*mse_problem()),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_ggn_is_jt_hout_j_psd_for_convex_losses_and_its_diagonal_is_exact(name):
+    model, loss_fn, batch = LOSSES[name]()
+    G = GGN(model, loss_fn, batch)
+    ref = dense_ggn(model, loss_fn, batch)
+    assert_close(G.dense(), ref)
+    if name != "sine":
+        assert float(torch.linalg.eigvalsh(ref).min()) >= -1e-10
+    else:
+        assert float(torch.linalg.eigvalsh(ref).min()) < -1e-3  # the negative columns path
+    d = diagonal(G)
+    assert d.probes == 0 and float(d.stderr.abs().max()) == 0
+    assert_close(d.value, ref.diagonal())
+
+
+def test_empirical_fisher_is_the_mean_outer_product_of_individual_gradients():
+    for problem in (ce_problem, mse_problem):
+        model, loss_fn, batch = problem(n=7)
+        g = per_example(model, loss_fn, batch)  # [N, P]
+        EF = Fisher(model, loss_fn, batch, kind="empirical")
+        assert_close([EF.dense(), diagonal(EF).value], [g.T @ g / 7, (g * g).sum(0) / 7])
+        loss_sum = lambda o, t, f=loss_fn: f(o, t, reduction="sum")
+        EF_sum = Fisher(model, loss_sum, batch, kind="empirical", reduction="sum")
+        g_sum = per_example(model, loss_sum, batch)
+        assert_close(EF_sum.dense(), g_sum.T @ g_sum)
+
+
+@pytest.mark.parametrize("problem", [ce_problem, mse_problem])
+def test_monte_carlo_fisher_converges_to_the_ggn(problem):
+    model, loss_fn, batch = problem(n=64)
+    ref = dense_ggn(model, loss_fn, batch)
+    errors = []
+    for samples in (1, 10, 100):
+        gen = torch.Generator().manual_seed(samples)
+        Fmc = Fisher(model, loss_fn, batch, samples=samples, generator=gen)
+        M = Fmc.dense()
+        assert float((M - M.T).abs().max()) <= 1e-12
+        assert_close(diagonal(Fmc).value, M.diagonal())
+        errors.append(rel(M, ref))
+    assert errors[2] < 0.05 and errors[2] < errors[1] < errors[0]
+    # the same generator seed gives the same operator; a fixed operator (samples drawn once)
+    gen = torch.Generator().manual_seed(3)
+    a = Fisher(model, loss_fn, batch, samples=2, generator=gen)
+    b = Fisher(model, loss_fn, batch, samples=2, generator=torch.Generator().manual_seed(3))
+    v = torch.randn(a.shape[0], dtype=D)
+    assert torch.equal(a @ v, b @ v) and torch.equal(a @ v, a @ v)
+
+
+def test_monte_carlo_fisher_over_batches_is_fixed_and_unbiased():
+    model, loss_fn, (x, y) = ce_problem(n=40)
+    parts = [(x[:25], y[:25]), (x[25:], y[25:])]
+    Fmc = Fisher(model, loss_fn, parts, samples=200, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(Fmc.shape[0], dtype=D)
+    assert torch.equal(Fmc @ v, Fmc @ v)  # the same samples in every product
+    assert rel(Fmc.dense(), dense_ggn(model, loss_fn, (x, y))) < 0.05
+
+
+def test_likelihood_callable_soft_targets_and_errors():
+    model, loss_fn, (x, y) = ce_problem(n=32)
+    ref = dense_ggn(model, loss_fn, (x, y))
+
+    def sample(out, gen):
+        return torch.multinomial(out.softmax(1), 1, generator=gen)[:, 0]
+
+    F_call = Fisher(model, loss_fn, (x, y), samples=300, likelihood=sample)
+    assert rel(F_call.dense(), ref) < 0.06
+    soft = F.one_hot(y, 3).to(D)
+    F_soft = Fisher(model, loss_fn, (x, soft), samples=300)
+    assert rel(F_soft.dense(), ref) < 0.06
+    with pytest.raises(ValueError, match=r"likelihood: expected 'categorical', 'gaussian' or a"):
+        Fisher(model, lambda o, t: F.cross_entropy(o, t), (x, y))
+    smooth = nn.CrossEntropyLoss(label_smoothing=0.1)
+    with pytest.raises(GradkitError, match=r"likelihood: expected a loss_fn that is a positive"):
+        Fisher(model, smooth, (x, y))
+    with pytest.raises(ValueError, match=r"samples: expected 1 for kind='empirical'"):
+        Fisher(model, loss_fn, (x, y), kind="empirical", samples=3)
+    with pytest.raises(ValueError, match=r"kind: expected one of 'mc', 'empirical'"):
+        Fisher(model, loss_fn, (x, y), kind="true")
+    seq = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (3, 2))).to(D)
+    with pytest.raises(ValueError, match=r"logits of shape \[N, C\]"):
+        Fisher(seq, loss_fn, (x, y[:, None].expand(32, 2)))
+
+
+def test_exact_diagonals_of_every_operator_and_over_batches():
+    model, loss_fn, (x, y) = ce_problem(n=10)
+    parts = [(x[:4], y[:4]), (x[4:], y[4:])]
+    H_ref = dense_hessian(model, loss_fn, [(x, y)])
+    assert_close(diagonal(Hessian(model, loss_fn, parts)).value, H_ref.diagonal())
+    assert_close(
+        diagonal(GGN(model, loss_fn, parts)).value, dense_ggn(model, loss_fn, (x, y)).diagonal()
+    )
+    EF = Fisher(model, loss_fn, parts, kind="empirical")
+    g = per_example(model, loss_fn, (x, y))
+    assert_close(diagonal(EF).value, (g * g).mean(0))
+
+
+@pytest.mark.parametrize("act", [nn.Tanh, nn.ReLU, nn.Sigmoid, nn.GELU, nn.Softplus])
+def test_exact_hessian_diagonal_of_sequential_mlps_and_the_unit_vector_fallback(act):
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(6, 7), act(), nn.Linear(7, 5), act(), nn.Linear(5, 3)
+    ).to(D)
+    x, y = torch.randn(9, 2, 3, dtype=D), torch.randint(0, 3, (9,))
+    t = torch.randn(9, 3, dtype=D)
+    for loss_fn, targets in ((F.cross_entropy, y), (F.mse_loss, t), (_sine, t)):
+        parts = [(x[:4], targets[:4]), (x[4:], targets[4:])]
+        H = Hessian(model, loss_fn, parts)
+        d = diagonal(H, max_size=10)  # the MLP sweep has no size limit
+        assert_close(d.value, dense_hessian(model, loss_fn, parts).diagonal())
+    coupled = lambda o, t: ((o - t).sum(0) ** 2).sum()  # falls back to unit vectors
+    H = Hessian(model, coupled, (x, t))
+    assert_close(diagonal(H).value, dense_hessian(model, coupled, [(x, t)]).diagonal())
+    with pytest.raises(GradkitError, match=r"max_size: expected at least the number of param"):
+        diagonal(H, max_size=10)
+
+
+def test_exact_diagonal_refuses_what_it_cannot_do():
+    model, _, (x, y) = mse_problem(n=6)
+    coupled = lambda o, t: ((o - t).sum(0) ** 2).sum()  # mixes examples
+    with pytest.raises(GradkitError, match=r"the loss couples examples .* method='hutchinson'"):
+        diagonal(GGN(model, coupled, (x, y)))
+    with pytest.raises(GradkitError, match=r"max_memory: expected room for the per-example loss"):
+        diagonal(GGN(model, F.mse_loss, (x, y)), max_memory=10)
+    bn = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(D)
+    with pytest.raises(GradkitError, match=r"per-example gradients are not available .*BatchNorm"):
+        diagonal(GGN(bn, F.mse_loss, (x, y)))
+    est = diagonal(GGN(bn, F.mse_loss, (x, y)), method="hutchinson", probes=4)
+    assert est.value.shape == (21,)
+
+
+@pytest.mark.parametrize("op", [Hessian, GGN, Fisher])
+def test_block_operators_are_exactly_zero_off_the_blocks(op):
+    model, loss_fn, batch = ce_problem()
+
+    def make(**kw):
+        if op is Fisher:
+            kw["generator"] = torch.Generator().manual_seed(0)
+        return op(model, loss_fn, batch, **kw)
+
+    M = make().dense()
+    groups = [["0.weight", "2.bias"], ["0.bias", "2.weight"]]
+    layouts = [
+        ("layer", [range(0, 30), range(30, 51)]),
+        (groups, [[*range(0, 24), *range(48, 51)], range(24, 48)]),
+    ]
+    for blocks, layout in layouts:
+        B = make(blocks=blocks).dense()
+        mask = torch.zeros(51, 51, dtype=torch.bool)
+        for idx in layout:
+            i = torch.tensor(list(idx))
+            mask[i[:, None], i[None, :]] = True
+        assert torch.equal(B[~mask], torch.zeros_like(B[~mask]))
+        assert_close(B[mask], M[mask])

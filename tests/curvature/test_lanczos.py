@@ -1,0 +1,106 @@
+"""Lanczos eigenvalues against torch.linalg.eigh (top-k to 1e-6 relative, no ghost copies with
+more than 50 iterations, indefinite spectra for every ``which``) and stochastic Lanczos
+quadrature (curvature.md 4.3, case 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradkit.curvature import Hessian, SpectralDensity, eigenvalues, spectral_density
+from gradkit.testing import assert_close
+
+from ._oracles import D, ce_problem, dense_hessian
+
+
+@pytest.fixture(scope="module")
+def hessian():
+    torch.manual_seed(0)
+    model, loss_fn, batch = ce_problem(n=40, sizes=(6, 12, 4))
+    return Hessian(model, loss_fn, batch), dense_hessian(model, loss_fn, [batch])
+
+
+@pytest.mark.parametrize("which", ["largest", "smallest", "magnitude"])
+def test_extreme_eigenvalues_of_an_indefinite_hessian(hessian, which):
+    H, ref = hessian
+    lam = torch.linalg.eigvalsh(ref)
+    assert lam.min() < -1e-3 < 1e-3 < lam.max()  # indefinite
+    order = {
+        "largest": lam.flip(0),
+        "smallest": lam,
+        "magnitude": lam[lam.abs().argsort(descending=True)],
+    }[which]
+    values, vectors = eigenvalues(
+        H, k=4, which=which, return_vectors=True, generator=torch.Generator().manual_seed(0)
+    )
+    assert_close(values, order[:4], rtol=1e-6, atol=0)
+    residual = ref @ vectors - vectors * values
+    assert float(residual.abs().max()) <= 1e-6 * float(lam.abs().max())
+    assert_close(vectors.T @ vectors, torch.eye(4, dtype=D), atol=1e-8)
+
+
+def test_no_ghost_copies_with_many_iterations(hessian):
+    H, ref = hessian
+    top = torch.linalg.eigvalsh(ref).flip(0)[:6]
+    for steps in (51, 80, H.shape[0]):
+        values = eigenvalues(
+            H, k=6, max_iter=steps, tol=0.0, generator=torch.Generator().manual_seed(1)
+        )
+        assert_close(values, top, rtol=1e-6, atol=0)
+        gaps = (values[:-1] - values[1:]).abs()
+        assert float(gaps.min()) > 1e-6 * float(top.abs().max())
+
+
+def test_repeated_eigenvalues_are_found_after_an_invariant_subspace():
+    A = torch.diag(torch.tensor([5.0, 5.0, 5.0, 4.0] + [1.0] * 20, dtype=D))
+    values = eigenvalues(A, k=4, generator=torch.Generator().manual_seed(0))
+    assert_close(values, torch.tensor([5.0, 5.0, 5.0, 4.0], dtype=D))
+
+
+def test_defaults_stop_early_and_warn_when_not_converged(hessian):
+    H, ref = hessian
+    count = {"n": 0}
+
+    class Counted:
+        shape, dtype, device = H.shape, H.dtype, H.device
+
+        def __matmul__(self, V):
+            count["n"] += 1 if V.dim() == 1 else V.shape[1]
+            return H @ V
+
+    values = eigenvalues(Counted(), k=3, generator=torch.Generator().manual_seed(0))
+    assert_close(values, torch.linalg.eigvalsh(ref).flip(0)[:3], rtol=1e-6, atol=0)
+    assert count["n"] <= 64
+    with pytest.warns(RuntimeWarning, match=r"not converged in 4 products .* raise max_iter"):
+        eigenvalues(H, k=3, max_iter=4)
+    torch.manual_seed(7)
+    a = eigenvalues(H, k=2)
+    torch.manual_seed(7)
+    assert torch.equal(a, eigenvalues(H, k=2))
+
+
+def test_eigenvalue_errors():
+    A = torch.eye(5, dtype=D)
+    with pytest.raises(ValueError, match=r"eigenvalues\(Tensor\): k: expected an int in \[1, 5\]"):
+        eigenvalues(A, k=6)
+    with pytest.raises(ValueError, match=r"which: expected one of 'largest', 'smallest'"):
+        eigenvalues(A, which="LA")
+    with pytest.raises(ValueError, match=r"max_iter: expected an int >= k \(3\)"):
+        eigenvalues(A, k=3, max_iter=2)
+
+
+def test_spectral_density_by_stochastic_lanczos_quadrature():
+    lam = torch.cat([torch.full((20,), -1.0), torch.full((30,), 2.0)]).to(D)
+    A = torch.diag(lam)
+    sd = spectral_density(A, probes=3, steps=10, grid=2001, generator=torch.Generator())
+    assert isinstance(sd, SpectralDensity) and sd.nodes.shape == (3, 10)
+    assert_close(sd.weights.sum(1), torch.ones(3, dtype=D))
+    # first moment of each probe's quadrature: z^T A z / n = tr(A) / n for diagonal A
+    assert_close((sd.weights * sd.nodes).sum(1), torch.full((3,), float(lam.mean()), dtype=D))
+    mass_low = torch.trapezoid(sd.density * (sd.grid < 0.5), sd.grid)
+    assert abs(float(mass_low) - 0.4) < 1e-6
+    assert abs(float(torch.trapezoid(sd.density, sd.grid)) - 1) < 1e-6
+    grid = torch.linspace(-3, 3, 7, dtype=D)
+    assert torch.equal(spectral_density(A, probes=1, steps=5, grid=grid).grid, grid)
+    with pytest.raises(ValueError, match=r"steps: expected a positive int"):
+        spectral_density(A, steps=0)
