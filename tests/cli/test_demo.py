@@ -20,6 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = [
     "training_curves.png",
     "gradient_stats.png",
+    "sharpness.png",
     "accumulation.png",
     "saliency.png",
     "hessian_power_iteration.png",
@@ -96,6 +97,12 @@ def test_accumulation_is_exact_and_naive_is_not(metrics: dict[str, Any]) -> None
     assert check["naive_max_abs_diff"] > 100 * check["max_abs_diff"]
     history = metrics["exact_accumulation"]["adaptive_history"]
     assert history and all(1 <= h["num_micro"] <= 16 for h in history)
+
+
+def test_sharpness_recorded(metrics: dict[str, Any]) -> None:
+    sharp = metrics["sharpness_over_training"]
+    assert len(sharp["steps"]) >= 3
+    assert all(math.isfinite(v) and v > 0 for v in sharp["top_eigenvalue"])
 
 
 def test_metrics_are_sane(metrics: dict[str, Any]) -> None:

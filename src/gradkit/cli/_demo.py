@@ -27,6 +27,7 @@ from gradkit import __version__
 from gradkit.cli._accumulation import accumulation_markdown
 from gradkit.cli._gradstats import GradStatsRecorder, gradient_stats_markdown
 from gradkit.cli._report import Plot, Report
+from gradkit.cli._sharpness import sharpness_markdown
 from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
 from gradkit.cli._train import Digits, TrainResult, load_digits, make_model, train
 
@@ -242,11 +243,30 @@ def accumulation_section(ctx: DemoContext, report: Report) -> None:
     report.add_section("Exact accumulation", markdown, [plot], metrics=metrics)
 
 
+def sharpness_section(ctx: DemoContext, report: Report) -> None:
+    """``gradkit.curvature``: the top Hessian eigenvalue at weights saved during training."""
+    recorder = ctx.extras.get("gradstats")
+    if recorder is None or not recorder.snapshots:
+        return
+    n = min(256, len(ctx.data.y_train))
+    markdown, figure, metrics = sharpness_markdown(
+        ctx.model,
+        recorder.snapshots,
+        (ctx.data.x_train[:n], ctx.data.y_train[:n]),
+        points=6 if ctx.config.quick else 10,
+        max_iter=20,
+        seed=ctx.config.seed,
+    )
+    plot = Plot("sharpness", figure, "Top Hessian eigenvalue over training")
+    report.add_section("Sharpness over training", markdown, [plot], metrics=metrics)
+
+
 #: The demo's sections, in report order; append a function to add a section.
 SECTIONS: list[Section] = [
     setup_section,
     training_section,
     gradient_stats_section,
+    sharpness_section,
     accumulation_section,
     showcase_section,
 ]

@@ -27,6 +27,7 @@ class GradStatsRecorder:
         self.records: list[dict[str, Any]] = []
         self.tracked_seconds: list[float] = []
         self.plain_seconds: list[float] = []
+        self.snapshots: list[tuple[int, dict[str, torch.Tensor]]] = []  # (step, weights)
 
     def __call__(self, step: int) -> AbstractContextManager[Any]:
         if step % self.every == 0 or step == 1:
@@ -46,6 +47,9 @@ class GradStatsRecorder:
         with track(self.model, "variance", "batch_l2") as stats:
             yield
         self.tracked_seconds.append(time.perf_counter() - start)
+        self.snapshots.append(
+            (step, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        )
         layers = {name.rsplit(".", 1)[0] for name in stats}
         per_layer = {}
         for layer in sorted(layers):
