@@ -124,3 +124,122 @@ def test_buffers_untouched_and_errors():
         module_hvp(model, nn.functional.mse_loss, batch, {"0.weight": torch.ones(2)})
     with pytest.raises(ValueError, match="expected a function returning a scalar tensor"):
         module_grad(model, lambda o, t: o - t, batch)
+
+
+def _dense_hvp_check(model, loss_fn, batch, names=None):
+    f, theta = flat_loss(model, loss_fn, batch)
+    H = hessian(f, theta)
+    all_names = [n for n, _ in model.named_parameters()]
+    v_flat = torch.randn(theta.numel(), dtype=D)
+    sizes = [p.numel() for p in model.parameters()]
+    v_all = dict(
+        zip(
+            all_names,
+            [t.view(p.shape) for t, p in zip(v_flat.split(sizes), model.parameters(), strict=True)],
+            strict=True,
+        )
+    )
+    hv_all = dict(
+        zip(
+            all_names,
+            [
+                t.view(p.shape)
+                for t, p in zip((H @ v_flat).split(sizes), model.parameters(), strict=True)
+            ],
+            strict=True,
+        )
+    )
+    if names is None:
+        assert_close(module_hvp(model, loss_fn, batch, v_all), hv_all)
+    else:  # a subset: H restricted to it
+        mask = torch.cat(
+            [
+                torch.full((p.numel(),), float(n in names), dtype=D)
+                for n, p in model.named_parameters()
+            ]
+        )
+        hv_sub = H @ (v_flat * mask)
+        want = dict(
+            zip(
+                all_names,
+                [
+                    t.view(p.shape)
+                    for t, p in zip(hv_sub.split(sizes), model.parameters(), strict=True)
+                ],
+                strict=True,
+            )
+        )
+        got = module_hvp(model, loss_fn, batch, {n: v_all[n] for n in names})
+        assert_close(got, {n: want[n] for n in names})
+
+
+@pytest.mark.parametrize("kind", ["conv", "inplace_relu", "twice", "layernorm", "subset"])
+def test_module_hvp_layer_output_route_and_fallbacks(kind):
+    torch.manual_seed(0)
+    if kind == "conv":
+        model = nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)
+        ).to(D)
+        batch = (torch.randn(5, 2, 4, 4, dtype=D), torch.randint(0, 2, (5,)))
+    elif kind == "inplace_relu":
+        model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).to(D)
+        batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    elif kind == "twice":
+        lin = nn.Linear(3, 3).to(D)
+        model = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh(), nn.Linear(3, 2).to(D))
+        batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    elif kind == "layernorm":
+        model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).to(D)
+        batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    else:
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+        batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    names = ["0.weight", "2.bias"] if kind == "subset" else None
+    if kind == "twice":  # the reference: double backward on the model itself
+        op = module_hvp_operator(model, nn.functional.cross_entropy, batch)
+        v = torch.randn(op.shape[0], dtype=D)
+        got = module_hvp(model, nn.functional.cross_entropy, batch, op.as_dict(v))
+        assert_close(got, op.as_dict(op @ v))
+        return
+    _dense_hvp_check(model, nn.functional.cross_entropy, batch, names)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reused_module_hessian_and_jacobian_match_the_model_itself(seed):
+    # functional_call does not reproduce a module object used twice: the helpers must not
+    # silently differentiate another function
+    torch.manual_seed(seed)
+    lin = nn.Linear(3, 3).to(D)
+    model = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh(), nn.Linear(3, 2).to(D))
+    batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    dense = module_hvp_operator(model, nn.functional.cross_entropy, batch).to_dense()
+    assert_close(module_hessian(model, nn.functional.cross_entropy, batch, flat=True), dense)
+    J = module_jacobian(model, batch[0][:2])
+    out = model(batch[0][:2])
+    for name, p in model.named_parameters():
+        want = torch.stack(
+            [
+                torch.autograd.grad(out.reshape(-1)[k], p, retain_graph=True)[0]
+                for k in range(out.numel())
+            ]
+        ).reshape(*out.shape, *p.shape)
+        assert_close(J[name], want)
+
+
+def test_hessian_survives_torch_func_layer_norm_bug(caplog):
+    # torch.func's reverse-over-reverse Hessian through layer_norm with affine parameters
+    # after a Linear is asymmetric and wrong (torch 2.13); gradkit detects the asymmetry and
+    # recomputes by double backward
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).to(D)
+    batch = (torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,)))
+    dense = module_hvp_operator(model, nn.functional.cross_entropy, batch).to_dense()
+    with caplog.at_level("WARNING", logger="gradkit.func._transforms"):
+        H = module_hessian(model, nn.functional.cross_entropy, batch, flat=True)
+    assert_close(H, dense)
+    assert_close(H, H.T)
+    raw = torch.func.jacrev(
+        torch.func.jacrev(flat_loss(model, nn.functional.cross_entropy, batch)[0])
+    )(flat_loss(model, nn.functional.cross_entropy, batch)[1])
+    if (raw - raw.T).abs().max() > 1e-8:  # the bug is present in this torch
+        assert "asymmetric Hessian" in caplog.text

@@ -193,13 +193,75 @@ def module_hvp(
                     "shape each vector like its parameter",
                 )
             )
+    vs = {n: v[n].to(p.dtype) for n, p in chosen.items()}
     with torch.enable_grad():
-        loss = _loss(model, loss_fn, batch, call)
-        xs = list(chosen.values())
-        gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
-        vs = [v[n].to(p.dtype) for n, p in chosen.items()]
-        res = _second_grads(gs, xs, vs, retain_graph=False)
+        res = _layer_output_hvp(model, loss_fn, batch, chosen, vs, call)
+        if res is None:
+            loss = _loss(model, loss_fn, batch, call)
+            xs = list(chosen.values())
+            gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
+            res = _second_grads(gs, xs, list(vs.values()), retain_graph=False)
     return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
+
+
+_LINEAR_IN_WEIGHTS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _layer_output_hvp(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    chosen: dict[str, torch.Tensor],
+    vs: dict[str, torch.Tensor],
+    call: str,
+) -> list[torch.Tensor] | None:
+    r"""``H v`` without forming the first gradient's weight products, when every chosen
+    parameter belongs to a layer whose output is linear in it (Linear, Conv):
+
+    .. math:: \langle \nabla_\theta L, v \rangle = \sum_l \langle \partial L/\partial z_l,
+              \, \mathrm{layer}_l(x_l; v_l) \rangle, \qquad H v = \nabla_\theta \text{ of it}
+
+    The first backward stops at the layer outputs ``z_l``. Returns None (use the plain double
+    backward) for any other model, or when an output was modified in place after the layer.
+    """
+    owners: dict[nn.Module, dict[str, str]] = {}
+    for name in chosen:
+        prefix, _, local = name.rpartition(".")
+        module = model.get_submodule(prefix) if prefix else model
+        if not isinstance(module, _LINEAR_IN_WEIGHTS) or local not in ("weight", "bias"):
+            return None
+        owners.setdefault(module, {})[local] = name
+    seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor, int]] = []
+
+    def keep(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            seen.append((module, args[0], out, out._version))
+
+    handles = [m.register_forward_hook(keep) for m in owners]
+    try:
+        loss = _loss(model, loss_fn, batch, call)
+    finally:
+        for h in handles:
+            h.remove()
+    if not seen or any(out._version != version for _, _, out, version in seen):
+        return None
+    grads_z = torch.autograd.grad(loss, [out for _, _, out, _ in seen], create_graph=True)
+    total = torch.zeros((), dtype=loss.dtype, device=loss.device)
+    for (module, x, _, _), gz in zip(seen, grads_z, strict=True):
+        names = owners[module]
+        own_weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        weight = vs[names["weight"]] if "weight" in names else torch.zeros_like(own_weight)
+        bias = vs.get(names.get("bias", ""))
+        if isinstance(module, nn.Linear):
+            z_v = nn.functional.linear(x, weight, bias)
+        else:
+            z_v = module._conv_forward(x, weight, bias)  # type: ignore[operator]
+        total = total + (gz * z_v).sum()
+    xs = list(chosen.values())
+    if not total.requires_grad:  # second derivative identically zero
+        return [torch.zeros_like(p) for p in xs]
+    res = torch.autograd.grad(total, xs, allow_unused=True)
+    return [torch.zeros_like(p) if r is None else r for r, p in zip(res, xs, strict=True)]
 
 
 def _flat_call(
@@ -263,7 +325,19 @@ def module_hessian(
         _check_scalar(loss, call)
         return loss
 
-    h = hessian(loss_of, flat0, chunk_size=chunk_size)
+    if _reuses_modules(model):
+        # a module object reached under several names: torch.func.functional_call does not
+        # reproduce its reuse faithfully, so differentiate the model itself (double backward)
+        with torch.enable_grad():
+            op = HVPOperator(
+                _loss(model, loss_fn, batch, call),
+                list(chosen.values()),
+                chunk_size=chunk_size,
+                call=call,
+            )
+            h = op.to_dense()
+    else:
+        h = hessian(loss_of, flat0, chunk_size=chunk_size)
     if flat:
         return h
     return {
@@ -273,6 +347,16 @@ def module_hessian(
         }
         for ni, row in _split_last(h, chosen, 0).items()
     }
+
+
+def _reuses_modules(model: nn.Module) -> bool:
+    """Whether a module object or a parameter appears under several names (weight tying,
+    a layer used twice in a Sequential)."""
+    return len(list(model.named_modules(remove_duplicate=False))) != len(
+        list(model.named_modules())
+    ) or len(list(model.named_parameters(remove_duplicate=False))) != len(
+        list(model.named_parameters())
+    )
 
 
 def module_jacobian(
@@ -300,7 +384,30 @@ def module_jacobian(
     call = f"module_jacobian({type(model).__name__})"
     chosen = _select(model, params, call)
     flat0, call_with = _flat_call(model, chosen)
-    j = jacobian(lambda v: call_with(v, inputs), flat0, mode=mode, chunk_size=chunk_size)
+    if _reuses_modules(model):  # see module_hessian: reverse mode on the model itself
+        with torch.enable_grad():
+            out = _forward(model, inputs)
+            m = out.numel()
+            eye = torch.eye(m, dtype=out.dtype, device=out.device).view(m, *out.shape)
+            xs = list(chosen.values())
+            rows = torch.autograd.grad(out, xs, eye, is_grads_batched=True, allow_unused=True)
+        j = (
+            torch.cat(
+                [
+                    (
+                        torch.zeros(m, p.numel(), dtype=p.dtype, device=p.device)
+                        if r is None
+                        else r.reshape(m, -1)
+                    )
+                    for r, p in zip(rows, xs, strict=True)
+                ],
+                dim=1,
+            )
+            .reshape((*out.shape, -1))
+            .detach()
+        )
+    else:
+        j = jacobian(lambda v: call_with(v, inputs), flat0, mode=mode, chunk_size=chunk_size)
     o_shape = j.shape[:-1]
     return {
         n: blk.reshape((*o_shape, *chosen[n].shape))

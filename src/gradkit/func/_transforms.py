@@ -616,6 +616,17 @@ def hessian(
     v0 = torch.cat([p.reshape(-1) for p in primals])
     chunk = chunk_size if chunk_size is not None else min(v0.numel(), _DEFAULT_HESSIAN_CHUNK)
     h = torch.func.jacrev(torch.func.jacrev(flat_f), chunk_size=chunk)(v0)
+    if h.dim() == 2 and not _symmetric(h):
+        # torch.func's second derivatives are wrong for some operations (layer_norm with
+        # affine parameters after a Linear, batch_norm in training mode: torch 2.13); a Hessian
+        # must be symmetric, so recompute by double backward through torch.autograd
+        logger.warning(
+            "%s: torch.func gave an asymmetric Hessian (max |H - H^T| = %.3g); "
+            "recomputing it by double backward",
+            call,
+            float((h - h.T).abs().max()),
+        )
+        h = _hessian_double_backward(flat_f, v0, chunk)
     o_shape = h.shape[:-2]
     if isinstance(argnums, int):
         return h.reshape((*o_shape, *primals[0].shape, *primals[0].shape))
@@ -627,6 +638,39 @@ def hessian(
         )
         for r, pi in zip(rows, primals, strict=True)
     )
+
+
+def _symmetric(h: torch.Tensor) -> bool:
+    """Whether ``h`` is symmetric up to rounding (relative to its largest entry)."""
+    h = h.detach()
+    if not (h.is_floating_point() and torch.isfinite(h).all()):
+        return True
+    scale = float(h.abs().max())
+    return float((h - h.T).abs().max()) <= 1e3 * torch.finfo(h.dtype).eps * max(scale, 1.0)
+
+
+def _hessian_double_backward(
+    f: Callable[[torch.Tensor], Any], v0: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """The Hessian of a scalar ``f`` at the flat ``v0`` by rows of double backward."""
+    with torch.enable_grad():
+        x = v0.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+        if not g.requires_grad:
+            return torch.zeros(x.numel(), x.numel(), dtype=x.dtype, device=x.device)
+        eye = torch.eye(x.numel(), dtype=x.dtype, device=x.device)
+        rows = [
+            torch.autograd.grad(
+                g,
+                x,
+                eye[i : i + chunk],
+                retain_graph=True,
+                is_grads_batched=True,
+                allow_unused=True,
+            )[0]
+            for i in range(0, x.numel(), chunk)
+        ]
+    return torch.cat([torch.zeros_like(eye[:0]) if r is None else r for r in rows]).detach()
 
 
 def stop_gradient(x: torch.Tensor) -> torch.Tensor:
