@@ -24,6 +24,7 @@ FIGURES = [
     "accumulation.png",
     "saliency.png",
     "hessian_power_iteration.png",
+    "rtho.png",
 ]
 
 
@@ -73,6 +74,7 @@ def test_report_has_sections_and_links_every_figure(quick_run: tuple[Path, Path,
         "## Training",
         "## Statistics of individual gradients",
         "## Differentiation showcase",
+        "## Hyperparameters by gradient",
     )
     for heading in headings:
         assert heading in text

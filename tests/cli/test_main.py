@@ -90,9 +90,12 @@ def test_no_command_prints_help_and_returns_two(capsys: pytest.CaptureFixture[st
     assert "usage: gradkit" in capsys.readouterr().err
 
 
-def test_hyperclean_is_announced(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["hyperclean"]) == 2
-    assert "gradkit.hyper" in capsys.readouterr().err
+def test_hyperclean_with_unusable_data_returns_two(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such.npz"
+    assert main(["hyperclean", "--quick", "--no-progress", "--data", str(missing)]) == 2
+    assert "--data" in capsys.readouterr().err
 
 
 def test_bench_passes_the_remaining_arguments(monkeypatch: pytest.MonkeyPatch) -> None:

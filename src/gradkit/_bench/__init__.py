@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradkit._bench import accumulate, curvature, func, per_example
+from gradkit._bench import accumulate, curvature, func, hyper, per_example
 from gradkit._bench._case import Case, Settings, run_case
 from gradkit._bench._report import render_markdown, summary_rows, write_outputs
 from gradkit._bench._timing import machine_info, num_threads
@@ -34,11 +34,18 @@ SUITES: dict[str, Callable[[], list[Case]]] = {
     "per_example": per_example.build_cases,
     "accumulate": accumulate.build_cases,
     "curvature": curvature.build_cases,
+    "hyper": hyper.build_cases,
 }
 # suites whose builder takes the mode (e.g. smaller batches in smoke runs)
-_BY_MODE: dict[str, Callable[[str], list[Case]]] = {"per_example": per_example.build_cases}
+_BY_MODE: dict[str, Callable[[str], list[Case]]] = {
+    "per_example": per_example.build_cases,
+    "hyper": hyper.build_cases,
+}
 # suites that measure peak memory in subprocesses when asked (--memory)
-_MEMORY: dict[str, Callable[..., None]] = {"per_example": per_example.add_memory}
+_MEMORY: dict[str, Callable[..., None]] = {
+    "per_example": per_example.add_memory,
+    "hyper": hyper.add_memory,
+}
 
 _MODES = {
     "full": Settings(repeats=31, warmup=2, min_sample_s=0.05),

@@ -26,6 +26,7 @@ from torch import nn
 from gradkit import __version__
 from gradkit.cli._accumulation import accumulation_markdown
 from gradkit.cli._gradstats import GradStatsRecorder, gradient_stats_markdown
+from gradkit.cli._hyperclean_demo import hyperparameter_section
 from gradkit.cli._report import Plot, Report
 from gradkit.cli._sharpness import sharpness_markdown
 from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
@@ -52,6 +53,10 @@ class DemoConfig:
     power_steps: int = 30
     timing_repeats: int = 20
     stats_every: int = 5
+    hyper_inner_steps: int = 200
+    hyper_steps: int = 60
+    hyper_lr: float = 0.02
+    rtho_steps: int = 400
 
     @classmethod
     def from_args(
@@ -79,6 +84,10 @@ class DemoConfig:
                 power_steps=12,
                 timing_repeats=5,
                 stats_every=2,
+                hyper_inner_steps=100,
+                hyper_steps=20,
+                hyper_lr=0.05,
+                rtho_steps=150,
             )
         return cls(
             out=out, epochs=epochs or cls.epochs, seed=seed, threads=threads, progress=progress
@@ -269,6 +278,7 @@ SECTIONS: list[Section] = [
     sharpness_section,
     accumulation_section,
     showcase_section,
+    hyperparameter_section,
 ]
 
 

@@ -1,0 +1,431 @@
+"""The ``hyper`` suite: gradkit.hyper's hypergradient engines against the plain unrolled graph
+(torch autograd, what ``higher`` and TorchOpt keep) and those peers when installed.
+
+Problem (hypergrad.md section 4 and issue 5's goal table): data hyper-cleaning on scikit-learn's
+digits, 1000 training examples with half of the labels replaced by a wrong class, 500 clean
+validation examples, MLP 64-256-10 (ReLU, 19,210 parameters), full batch, heavy-ball SGD in
+``torch.optim.SGD``'s convention (lr 0.1, momentum 0.9), inner loss ``mean(w * CE)``, outer
+loss the validation cross-entropy after T steps, float32. T is 1000 in full runs, 200 in quick
+runs and 10 in smoke runs.
+
+Cases:
+
+* ``hyper_weights``: the hypergradient with respect to the 1000 per-example weights: the
+  unrolled graph (baseline and reference), ``reverse`` (stored states), ``reverse`` with
+  ``checkpoint_every="sqrt"``, ``higher`` and TorchOpt (functional API) when importable.
+* ``hyper_lr_momentum``: the hypergradient with respect to (lr, momentum): the unrolled graph,
+  ``reverse`` and ``forward`` (two tangent passes).
+
+Peak memory (``--memory``): one subprocess per method builds the problem, runs the method once
+with T = 2 (warm-up), then once with T; its extra memory is the rise of its resident
+high-water mark (``VmHWM``) over the warm-up's. Goals (issue 5): reverse <= 1.2 T |s| + 20 MB,
+checkpointed reverse <= 60 MB, forward <= 20 MB at T and at T / 5, reverse at 10 T < 2 GB
+(``|s|`` = 2 x 19,210 float32 = 153,680 bytes: weights and momentum). MB = 10^6 bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradkit import hyper, optim
+from gradkit._bench._case import Case, Method, Target
+
+__all__ = ["STEPS", "add_memory", "build_cases", "measure", "memory_child"]
+
+LR, MOMENTUM = 0.1, 0.9
+N_TRAIN, N_VAL, HIDDEN, CLASSES, FEATURES = 1000, 500, 256, 10, 64
+STEPS = {"full": 1000, "quick": 200, "smoke": 10}
+LONG = 10  # the long-horizon memory check runs LONG x T steps
+MB = 1e6
+_PEERS = ("higher", "torchopt")
+
+Params = list[torch.Tensor]
+
+
+def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits, -1) - logits.gather(1, y[:, None])[:, 0]
+
+
+def _logits(p: Any, x: torch.Tensor) -> torch.Tensor:
+    w1, b1, w2, b2 = (p[k] for k in ("w1", "b1", "w2", "b2")) if isinstance(p, dict) else p
+    return torch.relu(x @ w1.T + b1) @ w2.T + b2
+
+
+@dataclass
+class Problem:
+    """Data, initial weights (``nn.Linear`` initialization, seeded) and hyperparameters."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    params0: dict[str, torch.Tensor]
+    module: torch.nn.Module
+
+    @classmethod
+    def make(cls, seed: int) -> Problem:
+        from sklearn.datasets import load_digits
+
+        gen = torch.Generator().manual_seed(seed)
+        bunch = load_digits()
+        x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
+        y = torch.tensor(bunch.target, dtype=torch.long)
+        order = torch.randperm(len(y), generator=gen)
+        tr, va = order[:N_TRAIN], order[N_TRAIN : N_TRAIN + N_VAL]
+        y_train = y[tr].clone()
+        bad = torch.randperm(N_TRAIN, generator=gen)[: N_TRAIN // 2]
+        y_train[bad] = (y_train[bad] + torch.randint(1, CLASSES, (len(bad),), generator=gen)) % 10
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = torch.nn.Sequential(
+                torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
+            )
+        names = ("w1", "b1", "w2", "b2")
+        params0 = {n: p.detach().clone() for n, p in zip(names, module.parameters(), strict=True)}
+        return cls(x[tr], y_train, x[va], y[va], params0, module)
+
+    @property
+    def state_bytes(self) -> int:
+        """``|s|`` in bytes: the weights and one momentum buffer, float32."""
+        return 2 * sum(p.numel() for p in self.params0.values()) * 4
+
+    def hypers(self) -> dict[str, torch.Tensor]:
+        """Fresh hyperparameter tensors: per-example weights (ones), lr, momentum."""
+        return {
+            "w": torch.ones(N_TRAIN),
+            "lr": torch.tensor(LR),
+            "momentum": torch.tensor(MOMENTUM),
+        }
+
+    def losses(
+        self, h: dict[str, torch.Tensor]
+    ) -> tuple[Callable[[Any, Any], torch.Tensor], Callable[[Any], torch.Tensor]]:
+        def inner(p: Any, batch: Any) -> torch.Tensor:
+            return (h["w"] * _cross_entropy(_logits(p, self.x), self.y)).mean()
+
+        def outer(p: Any) -> torch.Tensor:
+            return _cross_entropy(_logits(p, self.x_val), self.y_val).mean()
+
+        return inner, outer
+
+
+# -- the methods: each returns the hypergradient(s) as one flat tensor ----------------------------
+
+
+def unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
+    """The whole unrolled graph (``create_graph=True`` at every step), then one backward."""
+    h = {k: v.requires_grad_(k in names) for k, v in problem.hypers().items()}
+    inner, outer = problem.losses(h)
+    ps = [p.clone().requires_grad_(True) for p in problem.params0.values()]
+    bufs: Params = []
+    for t in range(steps):
+        gs = torch.autograd.grad(inner(ps, None), ps, create_graph=True)
+        bufs = (
+            list(gs) if t == 0 else [h["momentum"] * b + g for b, g in zip(bufs, gs, strict=True)]
+        )
+        ps = [p - h["lr"] * b for p, b in zip(ps, bufs, strict=True)]
+    grads = torch.autograd.grad(outer(ps), [h[k] for k in names])
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def gradkit_engine(
+    problem: Problem, steps: int, names: tuple[str, ...], engine: str
+) -> torch.Tensor:
+    """``reverse``, ``reverse`` checkpointed every sqrt(T) steps, or ``forward``."""
+    h = problem.hypers()
+    inner, outer = problem.losses(h)
+    opt = optim.sgd(lr=h["lr"], momentum=h["momentum"])
+    chosen = {k: h[k] for k in names}
+    if engine == "forward":
+        grads = hyper.forward(inner, outer, problem.params0, opt, steps=steps, hyper=chosen)
+    else:
+        every = "sqrt" if engine == "reverse_ckpt" else None
+        grads = hyper.reverse(
+            inner, outer, problem.params0, opt, steps=steps, hyper=chosen, checkpoint_every=every
+        )
+    return torch.cat([grads[k].reshape(-1) for k in names])
+
+
+def higher_unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
+    """``higher.innerloop_ctx`` with ``torch.optim.SGD`` (per-example weights only)."""
+    import higher
+
+    h = {k: v.requires_grad_(k in names) for k, v in problem.hypers().items()}
+    module = problem.module
+    with torch.no_grad():
+        for p, p0 in zip(module.parameters(), problem.params0.values(), strict=True):
+            p.copy_(p0)
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    with higher.innerloop_ctx(module, opt, copy_initial_weights=True) as (fmodel, diffopt):
+        for _ in range(steps):
+            diffopt.step((h["w"] * _cross_entropy(fmodel(problem.x), problem.y)).mean())
+        value = _cross_entropy(fmodel(problem.x_val), problem.y_val).mean()
+        grads = torch.autograd.grad(value, [h[k] for k in names])
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def torchopt_unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
+    """TorchOpt's functional ``sgd`` with ``inplace=False`` (per-example weights only)."""
+    import torchopt
+
+    h = {k: v.requires_grad_(k in names) for k, v in problem.hypers().items()}
+    inner, outer = problem.losses(h)
+    opt = torchopt.sgd(lr=LR, momentum=MOMENTUM)
+    ps = tuple(p.clone().requires_grad_(True) for p in problem.params0.values())
+    state = opt.init(ps)
+    for _ in range(steps):
+        gs = torch.autograd.grad(inner(list(ps), None), ps, create_graph=True)
+        updates, state = opt.update(gs, state, params=ps, inplace=False)
+        ps = tuple(torchopt.apply_updates(ps, updates, inplace=False))
+    grads = torch.autograd.grad(outer(list(ps)), [h[k] for k in names])
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+_WEIGHTS: dict[str, tuple[str, Callable[[Problem, int, tuple[str, ...]], torch.Tensor]]] = {
+    "unroll": ("plain unrolled graph (torch autograd, create_graph at every step)", unroll),
+    "reverse": (
+        "gradkit.hyper.reverse (stored states)",
+        lambda p, t, n: gradkit_engine(p, t, n, "reverse"),
+    ),
+    "reverse_ckpt": (
+        "gradkit.hyper.reverse, checkpoint_every='sqrt'",
+        lambda p, t, n: gradkit_engine(p, t, n, "reverse_ckpt"),
+    ),
+    "higher": ("higher.innerloop_ctx + torch.optim.SGD", higher_unroll),
+    "torchopt": ("torchopt.sgd, functional, inplace=False", torchopt_unroll),
+}
+_LR_MOMENTUM: dict[str, tuple[str, Callable[[Problem, int, tuple[str, ...]], torch.Tensor]]] = {
+    "unroll": _WEIGHTS["unroll"],
+    "reverse": _WEIGHTS["reverse"],
+    "forward": (
+        "gradkit.hyper.forward (2 tangent passes)",
+        lambda p, t, n: gradkit_engine(p, t, n, "forward"),
+    ),
+}
+_CASES = {
+    "hyper_weights": (("w",), _WEIGHTS),
+    "hyper_lr_momentum": (("lr", "momentum"), _LR_MOMENTUM),
+}
+
+
+def _installed(key: str) -> bool:
+    return key not in _PEERS or importlib.util.find_spec(key) is not None
+
+
+def _setup(problem: Problem, steps: int, what: str) -> dict[str, Any]:
+    return {
+        "data": f"digits, {N_TRAIN} training examples (half the labels wrong), {N_VAL} validation",
+        "model": "MLP 64-256-10 (ReLU), 19,210 parameters, full batch",
+        "inner": f"heavy-ball SGD (torch.optim.SGD convention), lr {LR}, momentum {MOMENTUM}",
+        "T": steps,
+        "hyperparameters": what,
+        "state_bytes_per_step": problem.state_bytes,
+        "dtype": "float32",
+    }
+
+
+def build_cases(mode: str = "full") -> list[Case]:
+    """The two cases at the mode's T (full 1000, quick 200, smoke 10); the problem is drawn from
+    ``torch.initial_seed()``. Peers that are not installed are skipped with a note."""
+    steps = STEPS.get(mode, STEPS["full"])
+    problem = Problem.make(torch.initial_seed() % 2**31)
+    cases = []
+    for key, (names, methods) in _CASES.items():
+        available = {k: v for k, v in methods.items() if _installed(k)}
+        skipped = [k for k in methods if k not in available]
+        what = "1000 per-example weights" if names == ("w",) else "(lr, momentum)"
+        targets = [Target("gradkit reverse / plain unroll", "reverse", ("unroll",), "<=", 1.5)]
+        if key == "hyper_weights":
+            targets.append(
+                Target(
+                    "gradkit reverse checkpointed / plain unroll",
+                    "reverse_ckpt",
+                    ("unroll",),
+                    "<=",
+                    2.0,
+                )
+            )
+        else:
+            targets.append(
+                Target("gradkit forward / gradkit reverse", "forward", ("reverse",), "<=", 2.0)
+            )
+        notes = [
+            "Times of one hypergradient through T steps (the forward pass, the backward pass or "
+            "the tangent passes, and the outer loss); the unrolled graph is what higher and "
+            "TorchOpt keep. Peak memory comes from --memory runs (one subprocess per method)."
+        ]
+        if skipped:
+            notes.append(f"Not installed, skipped: {', '.join(skipped)}.")
+
+        def make_fn(
+            fn: Callable[..., torch.Tensor], names: tuple[str, ...] = names
+        ) -> Callable[[], torch.Tensor]:
+            return lambda: fn(problem, steps, names)
+
+        cases.append(
+            Case(
+                key=key,
+                title=f"Hypergradient w.r.t. {what} through T = {steps} steps "
+                "(hyper-cleaning on digits)",
+                setup=_setup(problem, steps, what),
+                methods=[Method(k, label, make_fn(fn)) for k, (label, fn) in available.items()],
+                baseline=("unroll",),
+                reference="unroll",
+                dtype=torch.float32,
+                targets=targets,
+                notes=notes,
+                repeats_scale=0.1 if mode == "full" else 0.4,
+            )
+        )
+    return cases
+
+
+# -- peak memory, one subprocess per method ----------------------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    """This process's resident high-water mark (``VmHWM``; ``ru_maxrss`` where /proc lacks it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def memory_child(argv: list[str]) -> None:
+    """Subprocess entry: ``CASE METHOD STEPS THREADS SEED``. Builds the problem, runs METHOD with
+    T = 2 (warm-up), then with STEPS; prints ``{"extra_bytes": ...}`` as JSON (or
+    ``{"skipped": true}`` for a peer that is not installed)."""
+    case, method, steps, threads, seed = argv
+    torch.set_num_threads(int(threads))
+    names, methods = _CASES[case]
+    if not _installed(method):
+        print(json.dumps({"skipped": True}))
+        return
+    fn = methods[method][1]
+    problem = Problem.make(int(seed))
+    out = fn(problem, 2, names)
+    del out
+    gc.collect()
+    before = _peak_rss_bytes()
+    out = fn(problem, int(steps), names)
+    after = _peak_rss_bytes()
+    print(json.dumps({"extra_bytes": after - before, "finite": bool(torch.isfinite(out).all())}))
+
+
+def measure(case: str, method: str, steps: int, *, threads: int = 1, seed: int = 0) -> float | None:
+    """Extra peak memory (MB) of one hypergradient by ``method`` in a fresh process (None: a
+    peer that is not installed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    code = "import sys; from gradkit._bench.hyper import memory_child; memory_child(sys.argv[1:])"
+    args = [case, method, str(steps), str(threads), str(seed)]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"hyper memory: the subprocess for {case}/{method} (T={steps}) failed "
+            f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+        )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return None if result.get("skipped") else float(result["extra_bytes"]) / MB
+
+
+def add_memory(
+    cases: list[dict[str, Any]],
+    *,
+    threads: int,
+    seed: int,
+    mode: str,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Measure the extra peak memory of every method (full runs: also reverse at 10 T) and
+    attach it to the case results: ``memory`` (JSON), a note with a table, and the goals as
+    targets (``extra / goal <= 1``)."""
+    steps = STEPS.get(mode, STEPS["full"])
+    problem = Problem.make(seed)
+    for case in cases:
+        key = case["key"]
+        if key not in _CASES:
+            continue
+        _, methods = _CASES[key]
+        rows: dict[str, float] = {}
+        for method in methods:
+            value = measure(key, method, steps, threads=threads, seed=seed)
+            if value is not None:
+                rows[f"{method} (T={steps})"] = value
+                if log is not None:
+                    log(f"[hyper] memory {key}/{method} T={steps}: +{value:.1f} MB")
+        goals: list[tuple[str, str, float]] = []  # (name, row of the table, goal in MB)
+        if key == "hyper_weights":
+            goal = (1.2 * steps * problem.state_bytes + 20 * MB) / MB
+            goals.append(
+                ("reverse extra memory / (1.2 T state + 20 MB)", f"reverse (T={steps})", goal)
+            )
+            goals.append(
+                ("checkpointed reverse extra memory / 60 MB", f"reverse_ckpt (T={steps})", 60.0)
+            )
+            if mode == "full":
+                long = LONG * steps
+                value = measure(key, "reverse", long, threads=threads, seed=seed)
+                if value is not None:
+                    rows[f"reverse (T={long})"] = value
+                    if log is not None:
+                        log(f"[hyper] memory {key}/reverse T={long}: +{value:.1f} MB")
+                    goals.append(
+                        (
+                            f"reverse at T={long} extra memory / 2000 MB",
+                            f"reverse (T={long})",
+                            2000.0,
+                        )
+                    )
+        else:
+            short = max(2, steps // 5)
+            value = measure(key, "forward", short, threads=threads, seed=seed)
+            if value is not None:
+                rows[f"forward (T={short})"] = value
+            goals.append(("forward extra memory / 20 MB", f"forward (T={steps})", 20.0))
+            goals.append(
+                (f"forward extra memory at T={short} / 20 MB", f"forward (T={short})", 20.0)
+            )
+        case["memory"] = {"extra_mb": rows, "state_bytes_per_step": problem.state_bytes}
+        lines = [
+            "Extra peak memory of one hypergradient: the rise of a fresh process's resident "
+            "high-water mark (VmHWM) over a T = 2 warm-up of the same method; MB = 10^6 bytes. "
+            f"State: {problem.state_bytes:,} bytes per step (weights + momentum).",
+            "",
+            "| method | extra MB |",
+            "|---|---:|",
+        ]
+        lines += [f"| {row} | {value:.1f} |" for row, value in rows.items()]
+        case["notes"].append("\n".join(lines))
+        for name, row, goal in goals:
+            if row not in rows:
+                continue
+            ratio = rows[row] / goal
+            case["targets"].append(
+                {
+                    "name": f"{name} (goal {goal:.0f} MB)" if "state" in name else name,
+                    "numerator": row,
+                    "denominator": f"{goal:.1f} MB",
+                    "ratio": ratio,
+                    "op": "<=",
+                    "target": 1.0,
+                    "pass": ratio <= 1.0,
+                }
+            )

@@ -1,0 +1,131 @@
+"""Checks of :class:`~gradkit.hyper.HyperOptimizer`'s arguments: projections by name or
+function, the outer ``torch.optim`` optimizer (an instance over exactly the hyperparameters, a
+factory, or the default), and options that apply to some methods only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradkit._errors import describe, message
+from gradkit.hyper._projections import projection
+
+__all__ = ["check_projections", "only_for", "outer_optimizer"]
+
+_CALL = "HyperOptimizer"
+
+
+def check_projections(
+    projections: Any, names: Sequence[str]
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    if projections is None:
+        return {}
+    if not isinstance(projections, Mapping):
+        raise TypeError(
+            message(
+                _CALL,
+                "projections",
+                "None or a dict hyperparameter name -> projection (a name or a function)",
+                describe(projections),
+                "pass e.g. projections={'w': projection('capped_simplex', radius=500)}",
+            )
+        )
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for name, proj in projections.items():
+        if name not in names:
+            raise ValueError(
+                message(
+                    _CALL,
+                    f"projections[{name!r}]",
+                    f"a projection for one of the hyperparameters {list(names)}",
+                    repr(name),
+                    "name a hyperparameter listed in hyper",
+                )
+            )
+        if proj is None:
+            continue
+        if isinstance(proj, str):
+            out[name] = projection(proj)
+        elif callable(proj):
+            out[name] = proj
+        else:
+            raise TypeError(
+                message(
+                    _CALL,
+                    f"projections[{name!r}]",
+                    "a projection name ('box', 'nonnegative', 'simplex', 'l1_ball') or a "
+                    "function tensor -> tensor",
+                    describe(proj),
+                    "use gradkit.hyper.projection(name, **options) for options",
+                )
+            )
+    return out
+
+
+def outer_optimizer(outer_opt: Any, hypers: list[torch.Tensor]) -> torch.optim.Optimizer:
+    for h in hypers:
+        if not h.is_leaf:
+            raise ValueError(
+                message(
+                    _CALL,
+                    "hyper",
+                    "leaf tensors (the outer optimizer updates them in place)",
+                    "a tensor computed from others (it has a grad_fn)",
+                    "make the hyperparameter a leaf: h = h.detach().clone()",
+                )
+            )
+    if outer_opt is None:
+        return torch.optim.Adam(hypers, lr=1e-3)
+    if isinstance(outer_opt, torch.optim.Optimizer):
+        held = {id(p) for g in outer_opt.param_groups for p in g["params"]}
+        if held != {id(h) for h in hypers}:
+            raise ValueError(
+                message(
+                    _CALL,
+                    "outer_opt",
+                    "a torch.optim optimizer over exactly the hyperparameter tensors",
+                    f"one over {len(held)} other or different tensors",
+                    "build it as torch.optim.Adam(list(hyper.values()), lr=...) or pass a "
+                    "factory: functools.partial(torch.optim.Adam, lr=...)",
+                )
+            )
+        return outer_opt
+    if callable(outer_opt):
+        built = outer_opt(list(hypers))
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                message(
+                    _CALL,
+                    "outer_opt",
+                    "a factory returning a torch.optim.Optimizer",
+                    describe(built),
+                    "pass e.g. functools.partial(torch.optim.Adam, lr=0.01)",
+                )
+            )
+        return outer_optimizer(built, hypers)
+    raise TypeError(
+        message(
+            _CALL,
+            "outer_opt",
+            "None (Adam, lr 1e-3), a torch.optim.Optimizer over the hyperparameters, or a "
+            "factory params -> optimizer",
+            describe(outer_opt),
+            "pass e.g. functools.partial(torch.optim.Adam, lr=0.01)",
+        )
+    )
+
+
+def only_for(value: Any, argument: str, method: str, allowed: tuple[str, ...]) -> None:
+    if value is not None and method not in allowed:
+        raise ValueError(
+            message(
+                _CALL,
+                argument,
+                f"None for method={method!r} ({argument} applies to "
+                f"{' / '.join(repr(a) for a in allowed)})",
+                repr(value),
+                f"drop {argument} or choose a method it applies to",
+            )
+        )
