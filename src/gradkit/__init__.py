@@ -10,10 +10,12 @@ Pillars (each a subpackage):
   ConditionalAccumulator with its traps fixed, data-parallel training.
 * :mod:`gradkit.optim` and :mod:`gradkit.hyper`: differentiable functional optimizers and
   hypergradients (reverse with replay and checkpointing, forward, truncated, implicit).
+* :mod:`gradkit.curvature`: matrix-free Hessian, GGN and Fisher operators, diagonals, traces,
+  eigenvalues.
 * :mod:`gradkit.testing`: the oracles every result is checked against.
 """
 
-from gradkit import accumulate, func, hyper, optim, per_example, testing
+from gradkit import accumulate, curvature, func, hyper, optim, per_example, testing
 from gradkit._errors import GradkitError
 from gradkit._version import __version__
 
@@ -21,6 +23,7 @@ __all__ = [
     "GradkitError",
     "__version__",
     "accumulate",
+    "curvature",
     "func",
     "hyper",
     "optim",
