@@ -13,6 +13,7 @@ __all__ = [
     "as_tensor_list",
     "check_choice",
     "check_module",
+    "expose",
     "is_batching_error",
     "normalize_argnums",
 ]
@@ -135,3 +136,12 @@ def check_module(model: Any, call: str, fix: str = "pass the model itself") -> N
 
     if not isinstance(model, nn.Module):
         raise TypeError(message(call, "model", "a torch.nn.Module", describe(model), fix))
+
+
+def expose(namespace: dict[str, Any], names: Sequence[str], public: str) -> None:
+    """Give the re-exported objects of a public package its path as ``__module__`` (reprs and
+    docs then show ``gradkit.func.jacobian``, never the private module)."""
+    for name in names:
+        obj = namespace[name]
+        if getattr(obj, "__module__", "").startswith(public + "._"):
+            obj.__module__ = public

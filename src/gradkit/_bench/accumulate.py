@@ -14,24 +14,11 @@ from torch import nn
 
 from gradkit._bench._case import Case, Method, Target
 from gradkit.accumulate import Accumulator, activation_bytes
+from gradkit.cli._train import make_model
 
 __all__ = ["build_cases"]
 
 BATCH, MICRO = 256, 32
-
-
-def demo_cnn() -> nn.Sequential:
-    """The demo's CNN for ``[N, 1, 8, 8]`` inputs (18,346 parameters)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3),
-        nn.ReLU(),
-        nn.Conv2d(8, 16, 3),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(256, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    )
 
 
 def _loss_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -149,6 +136,6 @@ def _overhead_case(base: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 def build_cases() -> list[Case]:
     """All cases of the suite (model and data drawn from the current torch RNG state)."""
-    base = demo_cnn()
+    base = make_model()
     batch = (torch.rand(BATCH, 1, 8, 8), torch.randint(0, 10, (BATCH,)))
     return [_overhead_case(base, batch)]

@@ -8,6 +8,7 @@
   reorthogonalization), :func:`spectral_density` (stochastic Lanczos quadrature).
 """
 
+from gradkit._validate import expose
 from gradkit.curvature._base import CurvatureOperator
 from gradkit.curvature._estimators import Estimate, diagonal, trace
 from gradkit.curvature._fisher import Fisher
@@ -28,8 +29,4 @@ __all__ = [
     "trace",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("gradkit.curvature._"):
-        _obj.__module__ = __name__
-del _name, _obj
+expose(globals(), __all__, __name__)

@@ -10,6 +10,7 @@
   :func:`module_jacobian`.
 """
 
+from gradkit._validate import expose
 from gradkit.func._custom import custom_gradient
 from gradkit.func._gradients import AggregationMethod, UnconnectedGradients, gradients, hessians
 from gradkit.func._hvp import HVPOperator, hvp, hvp_operator
@@ -57,8 +58,4 @@ __all__ = [
     "vjp",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("gradkit.func._"):
-        _obj.__module__ = __name__
-del _name, _obj
+expose(globals(), __all__, __name__)

@@ -18,6 +18,7 @@ The inner dynamics are a :mod:`gradkit.optim` optimizer; hyperparameters are ten
 optimizer was built with or that the losses close over.
 """
 
+from gradkit._validate import expose
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import implicit
 from gradkit.hyper._optimizer import HyperOptimizer, HyperStep
@@ -46,8 +47,4 @@ __all__ = [
     "truncated",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("gradkit.hyper._"):
-        _obj.__module__ = __name__
-del _name, _obj
+expose(globals(), __all__, __name__)

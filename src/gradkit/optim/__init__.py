@@ -11,6 +11,7 @@
   the hypergradient engines' history buffers).
 """
 
+from gradkit._validate import expose
 from gradkit.optim._adam import AdamState, adam, adamw
 from gradkit.optim._base import Optimizer, apply_updates
 from gradkit.optim._flat import StateLayout, state_layout
@@ -33,8 +34,4 @@ __all__ = [
     "state_layout",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("gradkit.optim._"):
-        _obj.__module__ = __name__
-del _name, _obj
+expose(globals(), __all__, __name__)

@@ -7,6 +7,7 @@
 * derived quantities: :func:`noise_scale`, :func:`gradient_snr`, :func:`cabs_batch_size`.
 """
 
+from gradkit._validate import expose
 from gradkit.per_example._derived import cabs_batch_size, gradient_snr, noise_scale
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, find_rule, register_rule
@@ -29,8 +30,4 @@ __all__ = [
     "track",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("gradkit.per_example._"):
-        _obj.__module__ = __name__
-del _name, _obj
+expose(globals(), __all__, __name__)
