@@ -27,7 +27,7 @@ setup: torch
 	$(PIP) install -e ".[demo]"
 
 setup-dev: torch
-	$(PIP) install -e ".[dev,demo]"
+	$(PIP) install -e ".[dev,demo,hf]"
 
 setup-bench: setup-dev
 	$(PIP) install -e ".[bench]"
