@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from gradkit._errors import describe, message
+from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import PerExampleGrad
 
 __all__ = ["Rule", "RuleContext", "Use", "find_rule", "register_rule", "registered_rules"]
@@ -32,12 +33,17 @@ __all__ = ["Rule", "RuleContext", "Use", "find_rule", "register_rule", "register
 class Use:
     """One forward call of a module: its inputs and the gradient w.r.t. its output.
 
-    Both have the batch dimension first.
+    For a rule, every tensor that carries the examples has them in dimension 0 (inputs that
+    broadcast over the batch, e.g. position ids ``[1, T]``, are expanded to it); tensors shared
+    by all examples are as the module saw them. The generic fallback gets the call as the module
+    saw it instead, with ``dims`` saying where the examples are, and ``grad_output`` as the list
+    of the output's leaves' gradients (None where none arrived).
     """
 
     inputs: tuple[Any, ...]
-    grad_output: torch.Tensor
+    grad_output: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
+    dims: Dims | None = None
 
 
 @dataclass

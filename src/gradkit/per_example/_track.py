@@ -23,6 +23,7 @@ closures and are freed with the graph.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,12 +34,15 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradkit._errors import GradkitError, describe, message
+from gradkit._errors import GradkitError, message
 from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
+from gradkit.per_example._batch import Call, Dims, split_call
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
+from gradkit.per_example._layout import call_layout
 from gradkit.per_example._registry import RuleContext, Use, find_rule
 from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
 from gradkit.per_example.rules import vmap_rule
@@ -52,9 +56,7 @@ _DEFAULT_MAX_MEMORY = 256 * 2**20
 
 @dataclass
 class _UseRecord:
-    inputs: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    n: int
+    call: Call
     edges: dict[int, list[tuple[Node, int]]]  # pid -> edges into the parameter
     leaves: dict[int, Node]  # pid -> the parameter's gradient accumulator
     buffered: dict[int, torch.Tensor] = field(default_factory=dict)  # edge sums before deciding
@@ -72,7 +74,7 @@ class _UseRecord:
     def release(self) -> None:
         """Drop everything (the tracker is closed)."""
         self.release_graph()
-        self.inputs, self.kwargs = (), {}
+        self.call.args, self.call.kwargs = (), {}
 
 
 @dataclass
@@ -84,13 +86,27 @@ class _ModuleState:
     pids: dict[str, int]  # local name -> id(parameter)
     shared: bool = False
     forward_count: int = 0
-    pending: list[tuple[_UseRecord, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[_UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
 
-def _canonical(t: Any, batch_dim: int) -> Any:
-    if isinstance(t, torch.Tensor) and batch_dim != 0 and t.dim() > batch_dim:
-        return t.movedim(batch_dim, 0)
-    return t
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int | None:
+    """The number of examples of a model call: the batch dimension of its first input that
+    has one (a PackedSequence: its first batch size)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, PackedSequence):
+            return int(value.batch_sizes[0])
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
+                return int(t.shape[batch_dim])
+    return None
+
+
+def _use(call: Call, grads: list[torch.Tensor | None], native: bool) -> Use:
+    """The rule's view of one call: batch-first tensors for rules, the call as the module saw
+    it (with its dims) for the fallback."""
+    if native:
+        return Use(call.args, grads, call.kwargs, Dims(call.in_dims, call.out_dims, call.added))
+    return Use(call.args, tree_unflatten(grads, call.out_spec), call.kwargs)
 
 
 def _param_edges(
@@ -250,6 +266,9 @@ class Tracker(Mapping[str, ParamStats]):
         self._records: list[_UseRecord] = []  # uses whose graph references are still held
         self._done: list[_UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
+        self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
+        self._model_n: list[int | None] = []  # batch sizes of the model calls under way
+        self._reshaped: list[str] = []  # modules given a batch dimension in this model call
 
     # -- context manager ---------------------------------------------------------------------
 
@@ -262,6 +281,14 @@ class Tracker(Mapping[str, ParamStats]):
                 self._handles.append(
                     st.module.register_forward_hook(self._forward_hook(st), with_kwargs=True)
                 )
+            self._handles.append(
+                self._model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)
+            )
+            self._handles.append(
+                self._model.register_forward_hook(
+                    self._model_hook, with_kwargs=True, always_call=True
+                )
+            )
             for module in self._model.modules():
                 if isinstance(module, _BatchNorm):
                     self._handles.append(module.register_forward_pre_hook(_refuse_batchnorm))
@@ -283,6 +310,8 @@ class Tracker(Mapping[str, ParamStats]):
             h.remove()
         self._handles.clear()
         self._active = False
+        self._model_n.clear()
+        self._sizes.clear()
         for st in self._states:
             st.pending.clear()
             st.forward_count = 0
@@ -292,53 +321,68 @@ class Tracker(Mapping[str, ParamStats]):
 
     # -- capture -------------------------------------------------------------------------------
 
+    def _model_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._model_n.append(_batch_size(args, kwargs, self._batch_dim))
+
+    def _model_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        n = self._model_n.pop() if self._model_n else None
+        failed = sys.exc_info()[1]
+        if failed is not None and self._reshaped and hasattr(failed, "add_note"):
+            failed.add_note(
+                "per_example.track gave these modules a batch dimension of "
+                f"{n} examples because their outputs had none: "
+                + ", ".join(self._reshaped)
+                + ". A model that does not broadcast such an output over the batch cannot be "
+                "split by example there: freeze its parameters (requires_grad_(False)) or "
+                "give its inputs the batch dimension"
+            )
+        self._reshaped = []
+
     def _forward_hook(self, st: _ModuleState) -> Any:
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-        ) -> None:
-            leaves, spec = tree_flatten(output)
+        ) -> Any:
+            leaves = tree_flatten(output)[0]
             live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not any(isinstance(t, torch.Tensor) for t in leaves):  # pragma: no cover
-                raise GradkitError(
-                    f"per_example.track: module {st.name or 'model'} "
-                    f"({type(module).__name__}) returned {describe(output)}; a tracked module "
-                    "must return tensors"
-                )
             if self._in_rule or not live:
-                return  # a rule re-running the forward (vmap fallback), or no backward coming
-            bd = self._batch_dim
-            inputs = tuple(
-                _canonical(a.detach() if isinstance(a, torch.Tensor) else a, bd) for a in args
+                return None  # a rule re-running the forward (vmap fallback), or no backward
+            call = split_call(
+                args,
+                kwargs,
+                output,
+                call_layout(module, args, kwargs, output, self._batch_dim),
+                n_model=self._model_n[-1] if self._model_n else None,
+                batch_dim=self._batch_dim,
+                batch_first=st.rule is not vmap_rule,
             )
-            out = _canonical(live[0], bd)
-            n = out.shape[0] if out.dim() > 0 else 0
+            if call.output is not None:
+                output = call.output
+                leaves = tree_flatten(output)[0]
+                live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+                if call.mode == "unbatched":
+                    self._reshaped.append(f"{st.name or 'model'} ({type(module).__name__})")
             stops = {
-                a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None
+                a.grad_fn
+                for a in tree_flatten((args, kwargs))[0]
+                if isinstance(a, torch.Tensor) and a.grad_fn is not None
             }
             targets = {}
             for local, p in st.params.items():
                 if p.is_leaf:
                     targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
             edges = _param_edges([t.grad_fn for t in live], stops, targets)
-            record = _UseRecord(inputs, kwargs, n, edges, {pid: nd for nd, pid in targets.items()})
+            record = _UseRecord(call, edges, {pid: nd for nd, pid in targets.items()})
             self._records.append(record)
             st.forward_count += 1
             if isinstance(output, torch.Tensor):
-                output.register_hook(lambda g: self._on_output_grad(st, record, g))
+                output.register_hook(lambda g: self._on_output_grad(st, record, [g]))
             else:  # several outputs (e.g. an RNN's output and state): all their gradients at once
-                tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+                ids = [id(t) for t in live]
 
                 def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
-                    by_id = {id(t): g for t, g in zip(live, grads, strict=True)}
-                    full = [
-                        (by_id.get(id(t)) if by_id.get(id(t)) is not None else torch.zeros_like(t))
-                        if isinstance(t, torch.Tensor)
-                        else t
-                        for t in leaves
-                    ]
-                    self._on_output_grad(st, record, tree_unflatten(full, spec))
+                    by_id = dict(zip(ids, grads, strict=True))
+                    self._on_output_grad(st, record, [by_id.get(id(t)) for t in leaves])
 
-                del tensors
                 torch.autograd.graph.register_multi_grad_hook(live, on_grads, mode="all")
             if self._want.mean:
                 by_node: dict[Node, list[tuple[int, int]]] = {}
@@ -347,6 +391,7 @@ class Tracker(Mapping[str, ParamStats]):
                         by_node.setdefault(node, []).append((k, pid))
                 for node, ks in by_node.items():
                     node.register_hook(self._edge_hook(record, ks))
+            return call.output
 
         return hook
 
@@ -364,9 +409,9 @@ class Tracker(Mapping[str, ParamStats]):
                 g = g.detach()
                 decided = record.from_edges.get(pid)
                 if decided:
-                    self._accs[pid].add_sum(1, g, alpha=self._scale(record.n))
+                    self._accs[pid].add_sum(1, g, alpha=self._scale(record.call.n))
                 elif decided is None:  # before the rule ran (deferred module): keep it
-                    g = g * self._scale(record.n)
+                    g = g * self._scale(record.call.n)
                     prev = record.buffered.get(pid)
                     record.buffered[pid] = g if prev is None else prev + g
 
@@ -385,18 +430,30 @@ class Tracker(Mapping[str, ParamStats]):
                 ok = False
         return ok
 
-    def _on_output_grad(self, st: _ModuleState, record: _UseRecord, grad: Any) -> None:
+    def _on_output_grad(
+        self, st: _ModuleState, record: _UseRecord, grads: list[torch.Tensor | None]
+    ) -> None:
         if not self._active:
             return
-        bd = self._batch_dim
-        st.pending.append(
-            (
-                record,
-                tree_map(
-                    lambda g: _canonical(g.detach(), bd) if isinstance(g, torch.Tensor) else g, grad
-                ),
+        call = record.call
+        if call.mode == "mismatch" and any(g is not None for g in grads):
+            raise GradkitError(
+                f"per_example.track: module {st.name or 'model'} ({type(st.module).__name__}) "
+                f"{call.problem}, so its gradient cannot be split by example. If the batch is "
+                "not in dimension 0 of the model's inputs, pass batch_dim=...; if this module "
+                "mixes examples or reshapes them (e.g. flattens [N, T, d] to [N * T, d]), "
+                "freeze its parameters (requires_grad_(False)) or register a rule for it"
             )
-        )
+        leaves: list[Any] = []
+        for g, d, added in zip(grads, call.out_dims, call.added, strict=True):
+            if g is not None:
+                g = g.detach()
+                if call.in_dims or added or d is None or d == 0:  # the fallback: as it is
+                    pass
+                else:
+                    g = g.movedim(d, 0)
+            leaves.append(g)
+        st.pending.append((record, leaves))
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -407,7 +464,7 @@ class Tracker(Mapping[str, ParamStats]):
 
     def _process(self, st: _ModuleState) -> None:
         pending, st.pending = st.pending, []
-        ns = {r.n for r, _ in pending}
+        ns = {r.call.n for r, _ in pending}
         if len(ns) != 1:
             raise GradkitError(
                 f"per_example.track: module {st.name or 'model'} was called on "
@@ -416,8 +473,9 @@ class Tracker(Mapping[str, ParamStats]):
                 "examples (weight tying): run backward after each micro-batch"
             )
         n = ns.pop()
+        self._sizes[st.name or "model"] = n
         self._done.extend(r for r, _ in pending)
-        uses = [Use(r.inputs, g, r.kwargs) for r, g in pending]
+        uses = [_use(r.call, g, st.rule is vmap_rule) for r, g in pending]
         self._in_rule = True
         try:
             pes = st.rule(st.module, uses, RuleContext(st.params))
@@ -470,6 +528,16 @@ class Tracker(Mapping[str, ParamStats]):
             st.forward_count = 0
         deferred, self._deferred = self._deferred, {}
         done, self._done = {id(r) for r in self._done}, []
+        sizes, self._sizes = self._sizes, {}
+        if len(set(sizes.values())) > 1:
+            raise GradkitError(
+                "per_example.track: the tracked modules disagree on the number of examples in "
+                f"this backward pass: {sizes} (module: batch size). Per-example statistics need "
+                "one batch: if the examples are not in dimension 0 of every module's input and "
+                "output, pass batch_dim=... (and modules whose layout says otherwise, such as "
+                "RNNs and attention, are read by their batch_first); a module that reshapes the "
+                "examples (e.g. [N, T, d] -> [N * T, d]) before a tracked layer cannot be split"
+            )
         for record in self._records:
             if id(record) in done:
                 record.release_graph()

@@ -3,54 +3,164 @@ product of the module's forward w.r.t. its own parameters (``torch.func.function
 
 Exact for any module that treats examples independently and whose forward is deterministic
 (the forward is recomputed per example; dropout inside such a module is refused by ``vmap``).
-Modules with several outputs (an RNN's output and state) get the gradients of all of them;
-where an operation has no batching rule (torch's RNN kernels), examples are looped over. A
-module without a rule is differentiated with its whole subtree (MultiheadAttention uses its
-``out_proj`` parameters without calling ``out_proj``).
+Each example is re-run as the module saw the batch: every argument, positional or keyword, is
+split where its examples are (the module's layout: ``batch_first`` of RNNs and attention, an
+RNN's state ``[layers * directions, N, H]``, ``key_padding_mask``; see
+:mod:`gradkit.per_example._layout`), given back a batch dimension of size 1 there, and tensors
+shared by all examples (a 2-D attention mask, broadcast position tensors) are passed whole.
+Outputs that are None or carry no gradient (``need_weights=False``) are not split. Where an
+operation has no batching rule (torch's RNN kernels), examples are looped over; a
+``PackedSequence`` is unpacked and each example re-run on its own sequence. A module without a
+rule is differentiated with its whole subtree (MultiheadAttention uses its ``out_proj``
+parameters without calling ``out_proj``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradkit._errors import GradkitError
+from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use
 
+__all__ = ["vmap_rule"]
+
 logger = logging.getLogger(__name__)
 
-
-def _batch_dim(t: Any, n: int) -> int | None:
-    """The dimension of ``t`` that runs over the ``n`` examples: 0 if it fits, else the first
-    that does (an RNN's state ``[layers, N, H]``); None for non-tensors."""
-    if not isinstance(t, torch.Tensor) or t.dim() == 0:
-        return None
-    if t.shape[0] == n:
-        return 0
-    return next((d for d in range(1, t.dim()) if t.shape[d] == n), None)
+_Grads = tuple[torch.Tensor, ...]
 
 
-def _loop(
-    one: Any,
-    inputs: tuple[Any, ...],
-    grad_output: Any,
-    in_dims: tuple[Any, ...],
-    g_dims: Any,
-    n: int,
-) -> tuple[torch.Tensor, ...]:
-    """``one`` applied to each example in turn (what ``vmap`` would do), stacked."""
+def _batch_first_dims(use: Use) -> Dims:
+    """Dims of a use given batch-first (a rule calling the fallback itself): dimension 0 of
+    every tensor whose size there is the number of examples."""
+    outs = tree_flatten(use.grad_output)[0]
+    n = next(g for g in outs if isinstance(g, torch.Tensor)).shape[0]
+    leaves = tree_flatten((use.inputs, use.kwargs))[0]
+    ins = [
+        0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else None for t in leaves
+    ]
+    return Dims(
+        ins, [0 if isinstance(g, torch.Tensor) else None for g in outs], [False] * len(outs)
+    )
+
+
+def _per_example_vjp(
+    module: nn.Module, names: list[str], params: tuple[torch.Tensor, ...], use: Use
+) -> _Grads:
+    """``[N, *p.shape]`` per parameter: the vjp of each example's forward with its gradient."""
+    dims = use.dims or _batch_first_dims(use)
+    grads = use.grad_output if use.dims is not None else tree_flatten(use.grad_output)[0]
+    leaves, spec = tree_flatten((use.inputs, use.kwargs))
+    if any(isinstance(v, PackedSequence) for v in (*use.inputs, *use.kwargs.values())):
+        return _packed(module, names, params, use, grads)
+    keep = [k for k, g in enumerate(grads) if g is not None]
+    for k in keep:
+        if dims.outputs[k] is None:
+            raise GradkitError(
+                f"per_example.track: output {k} of {type(module).__name__} "
+                f"{tuple(grads[k].shape)} has no batch dimension, so its gradient cannot be "
+                "split by example"
+            )
+    out_dims = [dims.outputs[k] for k in keep]
+    n = grads[keep[0]].shape[out_dims[0]]
+    split = [i for i, d in enumerate(dims.inputs) if d is not None]
+    in_dims = [dims.inputs[i] for i in split]
+
+    def one(batched: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]) -> _Grads:
+        full = list(leaves)
+        for i, d, t in zip(split, in_dims, batched, strict=True):
+            full[i] = t.unsqueeze(d)  # type: ignore[arg-type]
+        args, kwargs = tree_unflatten(full, spec)
+
+        def forward(*ps: torch.Tensor) -> _Grads:
+            out = torch.func.functional_call(
+                module, dict(zip(names, ps, strict=True)), args, kwargs
+            )
+            out_leaves = tree_flatten(out)[0]
+            return tuple(out_leaves[k] for k in keep)
+
+        _, vjp_fn = torch.func.vjp(forward, *params)[:2]
+        cot = tuple(
+            g if dims.added[k] else g.unsqueeze(d)  # type: ignore[arg-type]
+            for k, d, g in zip(keep, out_dims, cotangents, strict=True)
+        )
+        return tuple(vjp_fn(cot))
+
+    batched = tuple(leaves[i] for i in split)
+    cotangents = tuple(grads[k] for k in keep)
+    try:
+        return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)))(batched, cotangents)
+    except RuntimeError as err:
+        if "random" in str(err).lower():
+            raise GradkitError(
+                f"per_example.track: the vmap fallback cannot re-run {type(module).__name__}"
+                f" example by example: its forward is random ({err}); put it in eval mode "
+                "or register a rule with @gradkit.per_example.register_rule"
+            ) from err
+        # some operations have no batching rule (torch's RNN kernels): one example at a time
+        logger.debug(
+            "vmap fallback on %s failed (%s); looping over examples", type(module).__name__, err
+        )
+    rows = [
+        one(
+            [t.select(d, i) for t, d in zip(batched, in_dims, strict=True)],
+            [g.select(d, i) for g, d in zip(cotangents, out_dims, strict=True)],
+        )
+        for i in range(n)
+    ]
+    return tuple(torch.stack(parts) for parts in zip(*rows, strict=True))
+
+
+def _packed(
+    module: nn.Module,
+    names: list[str],
+    params: tuple[torch.Tensor, ...],
+    use: Use,
+    grads: list[torch.Tensor | None],
+) -> _Grads:
+    """An RNN on a ``PackedSequence``: each example re-run on its own sequence (and state)."""
+    if not isinstance(module, nn.RNNBase):
+        raise GradkitError(
+            f"per_example.track: {type(module).__name__} was given a PackedSequence; the vmap "
+            "fallback splits packed sequences for nn.RNN/GRU/LSTM only: register a rule"
+        )
+    args = dict(zip(("input", "hx"), use.inputs, strict=False)) | use.kwargs
+    x: PackedSequence = args["input"]
+    hx = args.get("hx")
+    padded, lengths = pad_packed_sequence(x, batch_first=True)  # [N, T, F], original order
+    n = padded.shape[0]
+    g_seq = None
+    if grads[0] is not None:  # the output's gradient, padded per example: [N, T, H]
+        g_seq = pad_packed_sequence(
+            PackedSequence(grads[0], x.batch_sizes, x.sorted_indices, x.unsorted_indices),
+            batch_first=True,
+        )[0]
+    h_leaves, h_spec = tree_flatten(hx)
+    h_grads = grads[4:]
     rows = []
     for i in range(n):
-        args = tuple(
-            a.select(d, i) if d is not None else a for a, d in zip(inputs, in_dims, strict=True)
+        length = int(lengths[i])
+        xi = pack_padded_sequence(padded[i : i + 1, :length], [length], batch_first=True)
+        hi = None if hx is None else tree_unflatten([h.narrow(1, i, 1) for h in h_leaves], h_spec)
+
+        # plain autograd: torch's packed RNN kernels refuse torch.func's wrapped tensors
+        ps = [p.detach().requires_grad_() for p in params]
+        out, h = torch.func.functional_call(module, dict(zip(names, ps, strict=True)), (xi, hi))
+        outs = (out.data, *tree_flatten(h)[0])
+        cot = [torch.zeros_like(outs[0]) if g_seq is None else g_seq[i, :length]]
+        for g, o in zip(h_grads, outs[1:], strict=True):
+            cot.append(torch.zeros_like(o) if g is None else g.narrow(1, i, 1))
+        got = torch.autograd.grad(outs, ps, cot, allow_unused=True)
+        rows.append(
+            tuple(torch.zeros_like(p) if g is None else g for p, g in zip(ps, got, strict=True))
         )
-        g = tree_map(lambda leaf, d, i=i: leaf.select(d, i), grad_output, g_dims)
-        rows.append(one(args, g))
     return tuple(torch.stack(parts) for parts in zip(*rows, strict=True))
 
 
@@ -58,54 +168,15 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     """Per-example gradients of any example-independent module, by vmap (see module doc)."""
     names = list(ctx.params)
     params = tuple(ctx.params[k].detach() for k in names)
-    first = tree_flatten(uses[0].grad_output)[0]
-    n = next(t for t in first if isinstance(t, torch.Tensor)).shape[0]
     totals: list[torch.Tensor] | None = None
-    for u in uses:
-        in_dims = tuple(_batch_dim(a, n) for a in u.inputs)
-        g_dims = tree_map(lambda leaf: _batch_dim(leaf, n), u.grad_output)
-        if any(d is None for d in tree_flatten(g_dims)[0]):
-            raise GradkitError(
-                f"per_example.track: an output of {type(module).__name__} has no dimension of "
-                f"the batch size {n}, so its gradient cannot be split by example"
+    # grad mode on: torch's CPU RNN kernels keep the workspace their backward needs only then
+    with torch.enable_grad():
+        for u in uses:
+            grads = _per_example_vjp(module, names, params, u)
+            totals = (
+                list(grads)
+                if totals is None
+                else [t + g for t, g in zip(totals, grads, strict=True)]
             )
-
-        def one(
-            args: tuple[Any, ...],
-            g: Any,
-            kwargs: dict[str, Any] = u.kwargs,
-            dims: tuple[Any, ...] = in_dims,
-            gd: Any = g_dims,
-        ) -> tuple[torch.Tensor, ...]:
-            batched = tuple(
-                a.unsqueeze(d) if d is not None else a for a, d in zip(args, dims, strict=True)
-            )
-
-            def forward(*ps: torch.Tensor) -> Any:
-                return torch.func.functional_call(
-                    module, dict(zip(names, ps, strict=True)), batched, kwargs
-                )
-
-            _, vjp_fn = torch.func.vjp(forward, *params)[:2]
-            cotangent = tree_map(lambda leaf, d: leaf.unsqueeze(d), g, gd)
-            return tuple(vjp_fn(cotangent))
-
-        try:
-            grads = torch.func.vmap(one, in_dims=(in_dims, g_dims))(u.inputs, u.grad_output)
-        except RuntimeError as err:
-            if "random" in str(err).lower():
-                raise GradkitError(
-                    f"per_example.track: the vmap fallback cannot re-run {type(module).__name__}"
-                    f" example by example: its forward is random ({err}); put it in eval mode "
-                    "or register a rule with @gradkit.per_example.register_rule"
-                ) from err
-            # some operations have no batching rule (torch's RNN kernels): one example at a time
-            logger.debug(
-                "vmap fallback on %s failed (%s); looping over examples", type(module).__name__, err
-            )
-            grads = _loop(one, u.inputs, u.grad_output, in_dims, g_dims, n)
-        totals = (
-            list(grads) if totals is None else [t + g for t, g in zip(totals, grads, strict=True)]
-        )
     assert totals is not None
     return {k: Materialized(t) for k, t in zip(names, totals, strict=True)}

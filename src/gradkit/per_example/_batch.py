@@ -1,0 +1,169 @@
+"""How one call of a tracked module is split into examples, broadcast inputs included.
+
+Given where the examples are in each tensor of the call (:mod:`._layout`) and ``N``, the number
+of examples the model was called on, a call is one of:
+
+* **batched**: its outputs have ``N`` (or, outside a model call, any number of) examples along
+  their batch dimension: the usual case;
+* **broadcast**: its outputs have batch size 1 while the model runs on ``N > 1`` examples (Hugging
+  Face's GPT-2 and BERT look up learned positions with ``position_ids`` of shape ``[1, T]`` and
+  let broadcasting add them to every example). The outputs are replaced by views expanded to
+  ``N`` along the batch dimension (stride 0, no copy, identical values wherever the model
+  broadcasts them), so the gradient w.r.t. them arrives per example, before broadcasting would
+  sum it over the batch;
+* **unbatched**: a module whose inputs carry no gradient and no batch dimension (nanoGPT's
+  ``wpe(torch.arange(T))`` gives ``[T, d]``, added to ``[N, T, d]``) with one output: it gets a
+  leading batch dimension of ``N``, as broadcasting would give it (``batch_dim`` 0 only);
+* **mismatch**: anything else whose batch size is not ``N``: per-example gradients cannot be
+  split from its output; a gradient reaching it raises.
+
+Rules receive tensors with the examples in dimension 0 (shared tensors as they are); the vmap
+fallback receives them as the module saw them, with the dims of each leaf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gradkit.per_example._layout import CallLayout
+
+__all__ = ["Call", "Dims", "split_call"]
+
+
+@dataclass
+class Dims:
+    """Where the examples are in the leaves of a call as the module saw it: ``inputs`` per leaf
+    of ``tree_flatten((args, kwargs))``, ``outputs`` per leaf of the output's gradient (None:
+    shared by every example, or no gradient); ``added[k]``: output ``k`` had no batch dimension
+    and was given one (its per-example gradient has the output's own shape)."""
+
+    inputs: list[int | None]
+    outputs: list[int | None]
+    added: list[bool]
+
+
+@dataclass
+class Call:
+    """One call of a tracked module, split into examples."""
+
+    n: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    in_dims: list[int | None]  # per leaf of (args, kwargs); empty when batch-first
+    out_dims: list[int | None]  # per leaf of the output, where the examples are in its gradient
+    added: list[bool] = field(default_factory=list)  # per output leaf: batch dimension added here
+    output: Any = None  # the replacement output (broadcast or unbatched), or None
+    mode: str = "batched"
+    problem: str = ""  # for mode "mismatch": what is wrong
+    out_spec: Any = None  # the output's tree structure
+
+
+def _size(t: Any, d: int | None) -> int | None:
+    return t.shape[d] if isinstance(t, torch.Tensor) and d is not None else None
+
+
+def _expand(t: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[d] = n
+    return t.expand(shape)
+
+
+def split_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+    layout: CallLayout,
+    *,
+    n_model: int | None,
+    batch_dim: int,
+    batch_first: bool,
+) -> Call:
+    """Split one call (see the module docstring); ``n_model`` is the batch size of the model
+    call this module call belongs to (None: called outside it)."""
+    out_leaves, out_spec = tree_flatten(output)
+    in_leaves, in_spec = tree_flatten((args, kwargs))
+    live = [
+        k
+        for k, t in enumerate(out_leaves)
+        if isinstance(t, torch.Tensor) and t.requires_grad and layout.output[k] is not None
+    ]
+    sizes = {_size(out_leaves[k], layout.output[k]) for k in live}
+    n_mod = next(iter(sizes)) if len(sizes) == 1 else None
+    n = n_model if n_model is not None else n_mod
+    mode = "batched"
+    if n_model is not None and n_mod != n_model:
+        takes_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in in_leaves)
+        if n_mod == 1 and n_model > 1:
+            mode = "broadcast"
+        elif batch_dim == 0 and len(out_leaves) == 1 and not takes_grad and not sizes - {n_mod}:
+            mode = "unbatched"
+        else:
+            mode = "mismatch"
+    elif n is None:
+        mode = "mismatch"
+    if mode == "mismatch":
+        shapes = [tuple(t.shape) for t in out_leaves if isinstance(t, torch.Tensor)]
+        return Call(
+            n or 0,
+            args,
+            kwargs,
+            [],
+            list(layout.output),
+            [False] * len(out_leaves),
+            mode=mode,
+            out_spec=out_spec,
+            problem=(
+                f"returned outputs of shapes {shapes} whose batch dimensions have sizes "
+                f"{sorted(s for s in sizes if s is not None)} while the model was called on "
+                f"{n_model} examples (batch_dim={batch_dim})"
+            ),
+        )
+    assert n is not None
+    new_out = list(out_leaves)
+    added = [False] * len(out_leaves)
+    out_dims = list(layout.output)
+    for k, t in enumerate(out_leaves):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if mode == "unbatched":
+            new_out[k] = t.unsqueeze(0).expand(n, *t.shape)
+            out_dims[k], added[k] = 0, True
+        elif mode == "broadcast" and _size(t, out_dims[k]) == 1:
+            new_out[k] = _expand(t, out_dims[k], n)  # type: ignore[arg-type]
+    in_dims: list[int | None] = []
+    captured: list[Any] = []
+    for t, d in zip(in_leaves, layout.inputs, strict=True):
+        if not isinstance(t, torch.Tensor):
+            captured.append(t)
+            in_dims.append(None)
+            continue
+        t = t.detach()
+        size = _size(t, d)
+        if batch_first:  # rules: the examples in dimension 0, shared tensors as they are
+            if mode == "unbatched":
+                t = t.unsqueeze(0).expand(n, *t.shape)
+            elif size == n and d is not None:
+                t = t.movedim(d, 0)
+            elif size == 1 and d is not None:
+                t = _expand(t, d, n).movedim(d, 0)
+        else:  # the fallback: as the module saw them, split where the examples are
+            d = d if size == n and mode != "unbatched" else None
+        captured.append(t)
+        in_dims.append(d)
+    cargs, ckwargs = tree_unflatten(captured, in_spec)
+    replaced = tree_unflatten(new_out, out_spec) if mode != "batched" else None
+    return Call(
+        n,
+        cargs,
+        ckwargs,
+        [] if batch_first else in_dims,
+        out_dims,
+        added,
+        replaced,
+        mode,
+        out_spec=out_spec,
+    )
