@@ -11,6 +11,9 @@ layer count of 2 over a micro-batch of 2 examples is no batch dimension):
 * ``nn.MultiheadAttention``: query, key, value and the output ``0`` if ``batch_first`` else
   ``1``; ``key_padding_mask`` and the attention weights ``0``; a 2-D ``attn_mask`` is shared by
   all examples;
+* a module inside a ``torch.nn`` transformer block (``TransformerEncoderLayer``,
+  ``TransformerDecoderLayer``, their stacks, ``Transformer``): ``0`` if the block is
+  ``batch_first`` else ``1`` (its Linear and LayerNorm layers see ``[T, N, E]``);
 * every other module: ``batch_dim`` (``track``'s argument) for every tensor with more
   dimensions than that.
 
@@ -29,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradkit._errors import GradkitError
 
-__all__ = ["CallLayout", "call_layout"]
+__all__ = ["CallLayout", "call_layout", "inner_batch_dim"]
 
 
 @dataclass
@@ -113,3 +116,26 @@ def call_layout(
     if isinstance(module, nn.MultiheadAttention):
         return _attention(module, args, kwargs, output)
     return CallLayout(_dims((args, kwargs), batch_dim), _dims(output, batch_dim))
+
+
+def _block_batch_first(module: nn.Module) -> bool | None:
+    """``batch_first`` of a torch.nn transformer block, None for any other module."""
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return bool(module.self_attn.batch_first)
+    if isinstance(module, nn.Transformer):
+        return bool(module.batch_first)
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
+        return _block_batch_first(module.layers[0])
+    return None
+
+
+def inner_batch_dim(model: nn.Module, name: str, batch_dim: int) -> int:
+    """The batch dimension of the tensors module ``name`` of ``model`` sees: set by the
+    nearest enclosing torch.nn transformer block, else ``batch_dim``."""
+    parts = name.split(".") if name else []
+    for k in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:k]))
+        first = _block_batch_first(owner)
+        if first is not None:
+            return 0 if first else 1
+    return batch_dim

@@ -42,7 +42,7 @@ from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
 from gradkit.per_example._batch import Call, Dims, split_call
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
-from gradkit.per_example._layout import call_layout
+from gradkit.per_example._layout import call_layout, inner_batch_dim
 from gradkit.per_example._registry import RuleContext, Use, find_rule
 from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
 from gradkit.per_example.rules import vmap_rule
@@ -84,6 +84,7 @@ class _ModuleState:
     rule: Any
     params: dict[str, torch.Tensor]  # local name -> parameter
     pids: dict[str, int]  # local name -> id(parameter)
+    batch_dim: int  # of its inputs and outputs (see inner_batch_dim)
     shared: bool = False
     forward_count: int = 0
     pending: list[tuple[_UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
@@ -220,7 +221,7 @@ class Tracker(Mapping[str, ParamStats]):
         owners: dict[int, int] = {}
         claimed: list[str] = []  # subtrees a fallback module differentiates as a whole
         for name, module in model.named_modules():
-            if any(name == c or name.startswith(c + ".") for c in claimed):
+            if any(c == "" or name == c or name.startswith(c + ".") for c in claimed):
                 continue
             own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
             if not own:
@@ -252,7 +253,8 @@ class Tracker(Mapping[str, ParamStats]):
                     )
                 rule = vmap_rule
             pids = {n: id(p) for n, p in own.items()}
-            self._states.append(_ModuleState(name, module, rule, own, pids))
+            dim = inner_batch_dim(model, name, batch_dim)
+            self._states.append(_ModuleState(name, module, rule, own, pids, dim))
             for pid in pids.values():
                 owners[pid] = owners.get(pid, 0) + 1
                 param = self._params[pid]
@@ -350,9 +352,9 @@ class Tracker(Mapping[str, ParamStats]):
                 args,
                 kwargs,
                 output,
-                call_layout(module, args, kwargs, output, self._batch_dim),
+                call_layout(module, args, kwargs, output, st.batch_dim),
                 n_model=self._model_n[-1] if self._model_n else None,
-                batch_dim=self._batch_dim,
+                batch_dim=st.batch_dim,
                 batch_first=st.rule is not vmap_rule,
             )
             if call.output is not None:

@@ -17,8 +17,10 @@ parameters without calling ``out_proj``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -96,7 +98,11 @@ def _per_example_vjp(
     batched = tuple(leaves[i] for i in split)
     cotangents = tuple(grads[k] for k in keep)
     try:
-        return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)))(batched, cotangents)
+        with warnings.catch_warnings():  # torch's note that an op runs unbatched under vmap
+            warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
+            return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)))(
+                batched, cotangents
+            )
     except RuntimeError as err:
         if "random" in str(err).lower():
             raise GradkitError(
@@ -164,13 +170,26 @@ def _packed(
     return tuple(torch.stack(parts) for parts in zip(*rows, strict=True))
 
 
+@contextlib.contextmanager
+def _without_onednn() -> Iterator[None]:
+    """oneDNN off while examples are re-run: its float32 CPU RNN kernels give wrong bias
+    gradients (or none: "Expected a proper Tensor ... 'workspace'") when differentiated from
+    inside a backward pass; the native kernels are exact. (Not ``torch.backends.mkldnn.flags``:
+    it warns about TF32 on every use.)"""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
 def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
     """Per-example gradients of any example-independent module, by vmap (see module doc)."""
     names = list(ctx.params)
     params = tuple(ctx.params[k].detach() for k in names)
     totals: list[torch.Tensor] | None = None
-    # grad mode on: torch's CPU RNN kernels keep the workspace their backward needs only then
-    with torch.enable_grad():
+    with torch.enable_grad(), _without_onednn():
         for u in uses:
             grads = _per_example_vjp(module, names, params, u)
             totals = (

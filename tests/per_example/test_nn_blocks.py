@@ -1,0 +1,369 @@
+"""Standard torch.nn blocks and broadcast inputs, against the one-example-at-a-time loop in
+float64 (rtol 1e-10), with a float32 run that must agree to float32 tolerance.
+
+Each case is ``(make_model, make_batch, losses)`` where ``losses(model, batch, rows)`` gives the
+per-example losses of the examples ``rows`` (a slice) of the batch: the oracle differentiates
+them one example at a time, ``track`` sees them all in one (or two) backward passes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import gradkit
+from gradkit import GradkitError
+from gradkit.per_example import track
+from gradkit.testing import assert_close
+
+D = torch.float64
+QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
+
+
+@dataclass
+class Case:
+    id: str
+    model: Callable[[], nn.Module]
+    batch: Callable[[int], Any]  # n -> batch (any structure); examples selected by losses()
+    losses: Callable[[nn.Module, Any, slice], torch.Tensor]  # [rows] per-example losses
+    batch_dim: int = 0
+
+
+def loop_oracle(case: Case, model: nn.Module, batch: Any, n: int) -> dict[str, torch.Tensor]:
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k, _ in named}
+    for i in range(n):
+        loss = case.losses(model, batch, slice(i, i + 1)).sum()
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        for (k, p), g in zip(named, grads, strict=True):
+            rows[k].append(torch.zeros_like(p) if g is None else g)
+    return {k: torch.stack(r) for k, r in rows.items()}
+
+
+def tracked(case: Case, model: nn.Module, batch: Any, splits: list[int], reduction: str):
+    with track(
+        model, *QUANTITIES, moments=(3,), loss_reduction=reduction, batch_dim=case.batch_dim
+    ) as stats:
+        start = 0
+        for size in splits:
+            losses = case.losses(model, batch, slice(start, start + size))
+            (losses.mean() if reduction == "mean" else losses.sum()).backward()
+            start += size
+    return stats
+
+
+def compare(stats, ref: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+    got, want = {}, {}
+    for name, g in ref.items():
+        s = stats[name]
+        got[name] = [s.mean, s.variance, s.moment(3), s.batch_l2, s.batch_grad]
+        want[name] = [
+            g.mean(0),
+            g.var(0, unbiased=False),
+            (g**3).mean(0),
+            g.flatten(1).square().sum(1),
+            g,
+        ]
+    assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def seq_batch(t: int = 5, d: int = 8) -> Callable[[int], Any]:
+    def make(n: int) -> Any:
+        g = torch.Generator().manual_seed(n)
+        return torch.randn(n, t, d, generator=g, dtype=D), torch.randn(
+            n, t, d, generator=g, dtype=D
+        )
+
+    return make
+
+
+def sq(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out * y + 0.3 * out**3).flatten(1).sum(1)
+
+
+class Encoder(nn.Module):
+    """TransformerEncoderLayer with a key padding mask; batch-first or sequence-first inside."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        if not self.batch_first:
+            return self.layer(x.transpose(0, 1), src_key_padding_mask=pad).transpose(0, 1)
+        return self.layer(x, src_key_padding_mask=pad)
+
+
+def padding(n: int, t: int = 5) -> torch.Tensor:
+    lengths = torch.arange(n) % (t - 1) + 2
+    return torch.arange(t)[None, :] >= lengths[:, None]  # True = padding
+
+
+class Attention(nn.Module):
+    def __init__(self, batch_first: bool, weights: bool) -> None:
+        super().__init__()
+        self.batch_first, self.weights = batch_first, weights
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q = x if self.batch_first else x.transpose(0, 1)
+        out, w = self.attn(q, q, q, key_padding_mask=pad, need_weights=self.weights)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return out if w is None else out + w.sum(-1, keepdim=True)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind: type[nn.Module], batch_first: bool, **kw: Any) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = kind(8, 3, batch_first=batch_first, **kw)
+        self.head = nn.Linear(3 * (2 if kw.get("bidirectional") else 1), 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x if self.batch_first else x.transpose(0, 1))
+        out = out if self.batch_first else out.transpose(0, 1)
+        return self.head(out)
+
+
+class PackedLM(nn.Module):
+    def __init__(self, kind: type[nn.Module]) -> None:
+        super().__init__()
+        self.rnn = kind(8, 3, batch_first=True, num_layers=2)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, h = self.rnn(packed)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(h[-1])
+
+
+class SeqFirstMix(nn.Module):
+    """A sequence-first module without a rule that mixes along time: [T, N, d]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(torch.tanh(x * self.w), dim=0)
+
+
+class Positions(nn.Module):
+    """Learned positions looked up with [1, T] ids (Hugging Face) or [T] ids (nanoGPT)."""
+
+    def __init__(self, batched_ids: bool) -> None:
+        super().__init__()
+        self.batched_ids = batched_ids
+        self.tok = nn.Embedding(11, 8)
+        self.pos = nn.Embedding(6, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(idx.shape[1])
+        return self.out(self.tok(idx) + self.pos(ids[None] if self.batched_ids else ids))
+
+
+class PosParam(nn.Module):
+    """A parameter used directly in forward (no rule: the fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.randn(1, 5, 8))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.pos_embedding)
+
+
+class Latents(nn.Module):
+    """A Linear applied to a learned [1, T, d] tensor (a gradient-carrying broadcast input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(1, 5, 8))
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.q(self.latents) * self.k(x))
+
+
+def ids_batch(n: int) -> Any:
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g, dtype=D)
+
+
+def with_mask(n: int) -> Any:
+    x, y = seq_batch()(n)
+    return x, padding(n), y
+
+
+CASES = [
+    Case(
+        f"encoder_layer_batch_first_{bf}",
+        lambda bf=bf: Encoder(bf),
+        with_mask,
+        lambda m, b, r: sq(m(b[0][r], b[1][r]), b[2][r]),
+    )
+    for bf in (True, False)
+]
+CASES += [
+    Case(
+        f"mha_batch_first_{bf}_weights_{w}",
+        lambda bf=bf, w=w: Attention(bf, w),
+        with_mask,
+        lambda m, b, r: sq(m(b[0][r], b[1][r]), b[2][r]),
+    )
+    for bf in (True, False)
+    for w in (True, False)
+]
+CASES += [
+    Case(
+        f"{kind.__name__.lower()}_bf{bf}_layers{layers}_bi{bi}",
+        lambda kind=kind, bf=bf, layers=layers, bi=bi: Recurrent(
+            kind, bf, num_layers=layers, bidirectional=bi
+        ),
+        seq_batch(),
+        lambda m, b, r: sq(m(b[0][r]), b[1][r][..., :2]),
+    )
+    for kind, bf, layers, bi in [
+        (nn.LSTM, True, 2, False),
+        (nn.LSTM, False, 1, True),
+        (nn.GRU, True, 2, True),
+        (nn.GRU, False, 2, False),
+        (nn.RNN, True, 1, True),
+    ]
+]
+CASES += [
+    Case(
+        f"packed_{kind.__name__.lower()}",
+        lambda kind=kind: PackedLM(kind),
+        lambda n: (*seq_batch()(n), torch.arange(n) % 4 + 2),
+        lambda m, b, r: sq(m(b[0][r], b[2][r]), b[1][r][:, 0, :2]),
+    )
+    for kind in (nn.LSTM, nn.GRU)
+]
+CASES += [
+    Case(
+        "sequence_first_custom_module",
+        SeqFirstMix,
+        lambda n: tuple(t.transpose(0, 1) for t in seq_batch()(n)),
+        lambda m, b, r: sq(m(b[0][:, r]).transpose(0, 1), b[1][:, r].transpose(0, 1)),
+        batch_dim=1,
+    ),
+    Case(
+        "positions_ids_1xT",
+        lambda: Positions(True),
+        ids_batch,
+        lambda m, b, r: sq(m(b[0][r]), b[1][r]),
+    ),
+    Case(
+        "positions_ids_T_no_batch_dim",
+        lambda: Positions(False),
+        ids_batch,
+        lambda m, b, r: sq(m(b[0][r]), b[1][r]),
+    ),
+    Case("parameter_in_forward", PosParam, seq_batch(), lambda m, b, r: sq(m(b[0][r]), b[1][r])),
+    Case("learned_latents_1xT", Latents, seq_batch(), lambda m, b, r: sq(m(b[0][r]), b[1][r])),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float64_matches_loop(case: Case, reduction: str) -> None:
+    torch.manual_seed(0)
+    model = case.model().double()
+    n, splits = (5, [3, 2]) if reduction == "sum" else (3, [3])
+    batch = case.batch(n)
+    ref = loop_oracle(case, model, batch, n)
+    stats = tracked(case, model, batch, splits, reduction)
+    assert stats.num_examples == n
+    compare(stats, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_float32_agrees_and_grad_untouched(case: Case) -> None:
+    torch.manual_seed(0)
+    model64 = case.model().double()
+    model = copy.deepcopy(model64).float()
+    batch64 = case.batch(4)
+    batch = tuple(t.float() if t.is_floating_point() else t for t in batch64)
+    ref = loop_oracle(case, model64, batch64, 4)
+    case.losses(model, batch, slice(0, 4)).mean().backward()
+    plain = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    stats = tracked(case, model, batch, [4], "mean")
+    assert all(torch.equal(p.grad, plain[k]) for k, p in model.named_parameters())
+    compare(stats, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_batch_size_equal_to_layer_sequence_and_feature_sizes(layers: int) -> None:
+    """N = layer count, = sequence length, = feature size: the layout decides, not a size."""
+    for n, t, d in [(2, 5, 8), (5, 5, 8), (8, 5, 8), (3, 3, 3)]:
+        model = nn.LSTM(d, 3, num_layers=layers, batch_first=True).double()
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(n, t, d, generator=g, dtype=D)
+        case = Case("lstm", nn.Identity, torch.zeros, lambda m, b, r: m(b[r])[0].pow(2).sum((1, 2)))
+        ref = loop_oracle(case, model, x, n)
+        compare(tracked(case, model, x, [n], "mean"), ref, rtol=1e-10, atol=1e-12)
+
+
+class Flattening(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h.reshape(-1, 8)).reshape(x.shape[0], -1)
+
+
+def test_modules_that_reshape_examples_raise() -> None:
+    model = Flattening().double()
+    x = torch.randn(3, 5, 8, dtype=D)
+    with (
+        pytest.raises(GradkitError, match=r"out \(Linear\).*15.*3 examples"),
+        track(model, "variance"),
+    ):
+        model(x).pow(2).sum(1).mean().backward()
+
+
+class NotBroadcast(nn.Module):
+    """A position table whose output is permuted before it is added (T5's relative bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(9, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, 2, T, T]
+        t = x.shape[-1]
+        rel = torch.arange(t)[:, None] - torch.arange(t)[None, :] + 4
+        return x + self.bias(rel).permute(2, 0, 1).unsqueeze(0)
+
+
+def test_output_without_batch_that_is_not_broadcast_fails_with_a_note() -> None:
+    model = NotBroadcast().double()
+    x = torch.randn(3, 2, 4, 4, dtype=D)
+    with pytest.raises(RuntimeError) as err, track(model, "variance"):
+        model(x)
+    assert "gave these modules a batch dimension" in "".join(getattr(err.value, "__notes__", []))
+
+
+def test_broadcast_output_is_a_view_with_the_same_values() -> None:
+    model = Positions(True).double()
+    idx, _ = ids_batch(4)
+    plain = model(idx)
+    with track(model, "variance"):
+        assert torch.equal(model(idx), plain)
+    assert gradkit.per_example.find_rule(model.pos) is not None
