@@ -8,6 +8,7 @@
 """
 
 from gradkit._validate import expose
+from gradkit.per_example._batchnorm import replace_batchnorm
 from gradkit.per_example._derived import cabs_batch_size, gradient_snr, noise_scale
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, find_rule, register_rule
@@ -27,6 +28,7 @@ __all__ = [
     "gradient_snr",
     "noise_scale",
     "register_rule",
+    "replace_batchnorm",
     "track",
 ]
 

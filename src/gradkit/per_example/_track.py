@@ -618,7 +618,9 @@ def _refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
             f"per_example.track: {type(module).__name__} in training mode normalizes with "
             "statistics of the whole batch, so each example's loss depends on every other "
             "example and individual gradients are not defined; call model.eval() on it (running "
-            "statistics), or use GroupNorm/LayerNorm"
+            "statistics), or convert the model with "
+            "gradkit.per_example.replace_batchnorm(model) (GroupNorm instead: a change of the "
+            "model, to be trained as such)"
         )
 
 

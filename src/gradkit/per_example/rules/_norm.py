@@ -3,6 +3,12 @@
 With ``xhat`` the normalized input (recomputed without the affine part),
 ``y = weight * xhat + bias`` gives ``g_n(weight) = sum_{positions} G_n * xhat_n`` and
 ``g_n(bias) = sum_{positions} G_n``, summed over the positions that share a parameter entry.
+When the parameter covers every non-batch dimension (``LayerNorm((C, H, W))`` on
+``[N, C, H, W]``, ``LayerNorm(d)`` on ``[N, d]``, ``GroupNorm`` on ``[N, C]``) there are no such
+positions and nothing is summed: ``Tensor.sum(())`` would reduce over *all* dimensions. The
+bias's per-example gradient is then a copy of the output gradient, never the tensor itself:
+statistics are accumulated in place on the blocks of a :class:`Materialized`, which would
+otherwise rescale the gradient autograd goes on to propagate (and ``p.grad``).
 (InstanceNorm and BatchNorm in eval mode go through the vmap fallback; BatchNorm in training
 mode is refused: it mixes examples.)
 """
@@ -18,6 +24,18 @@ from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import acc_dtype
 
 
+def _sum_positions(
+    t: torch.Tensor, reduce_dims: tuple[int, ...], *, owned: bool = False
+) -> torch.Tensor:
+    """``t`` summed over ``reduce_dims`` (``t.sum(())`` would sum everything), always a fresh
+    tensor (``owned``: ``t`` already is one): statistics are accumulated in place on the blocks
+    of a :class:`Materialized`, so returning the output gradient itself (the bias with no
+    positions) would scale the gradient that autograd goes on to propagate, and ``p.grad``."""
+    if reduce_dims:
+        return t.sum(reduce_dims)
+    return t if owned else t.clone()
+
+
 def _affine(
     xhats: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -25,17 +43,20 @@ def _affine(
     reduce_dims: tuple[int, ...],
     shape: torch.Size,
 ) -> dict[str, PerExampleGrad]:
+    """``g_n(weight)`` and ``g_n(bias)`` ``[N, *shape]``, summed over uses and positions."""
     n = grads[0].shape[0]
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
-        w = sum(
-            ((g * x).sum(reduce_dims) for g, x in zip(grads, xhats, strict=True)),
-            torch.zeros((), dtype=grads[0].dtype),
-        )
-        out["weight"] = Materialized(torch.as_tensor(w).reshape(n, *shape))
+        ws = [
+            _sum_positions(g * x, reduce_dims, owned=True)
+            for g, x in zip(grads, xhats, strict=True)
+        ]
+        w = ws[0] if len(ws) == 1 else torch.stack(ws).sum(0)
+        out["weight"] = Materialized(w.reshape(n, *shape))
     if "bias" in ctx.params:
-        b = sum((g.sum(reduce_dims) for g in grads), torch.zeros((), dtype=grads[0].dtype))
-        out["bias"] = Materialized(torch.as_tensor(b).reshape(n, *shape))
+        bs = [_sum_positions(g, reduce_dims) for g in grads]
+        b = bs[0] if len(bs) == 1 else torch.stack(bs).sum(0)
+        out["bias"] = Materialized(b.reshape(n, *shape))
     return out
 
 
