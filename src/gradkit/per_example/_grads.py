@@ -39,6 +39,8 @@ class PerExampleGrad:
 
     num_examples: int
     shape: torch.Size
+    owned: bool = True
+    """Whether the blocks :meth:`chunks` yields are fresh tensors (scaled in place)."""
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""
@@ -55,10 +57,18 @@ class PerExampleGrad:
 
 
 class Materialized(PerExampleGrad):
-    """Per-example gradients given as one tensor ``[N, *shape]``."""
+    """Per-example gradients given as one tensor ``[N, *shape]``.
 
-    def __init__(self, grads: torch.Tensor) -> None:
+    Args:
+        grads: the per-example gradients; never modified (a rule may pass a view of an output
+            gradient autograd still propagates).
+        owned: ``grads`` is a fresh tensor nothing else holds, which the statistics may scale
+            and square in place instead of copying.
+    """
+
+    def __init__(self, grads: torch.Tensor, *, owned: bool = False) -> None:
         self.grads = grads
+        self.owned = owned
         self.num_examples = grads.shape[0]
         self.shape = grads.shape[1:]
 

@@ -108,10 +108,17 @@ def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rul
 
 
 def find_rule(module: nn.Module) -> Rule | None:
-    """The rule of the nearest class in ``type(module).__mro__`` that has one, or None."""
-    for cls in type(module).__mro__:
+    """The rule of the nearest class in ``type(module).__mro__`` that has one, or None.
+
+    A subclass that overrides ``forward`` computes something else than the class the rule was
+    written for (Hugging Face's ``BartScaledWordEmbedding`` scales ``nn.Embedding``'s lookup):
+    it gets no inherited rule (None: the exact fallback) unless a rule is registered for it.
+    """
+    kind = type(module)
+    for cls in kind.__mro__:
         if cls in _RULES:
-            return _RULES[cls]
+            same = getattr(kind, "forward", None) is getattr(cls, "forward", None)
+            return _RULES[cls] if same else None
     return None
 
 

@@ -100,7 +100,9 @@ def accumulate(
         chunk_size = max(chunk_size, pe.num_examples)
     if remaining or need_l2 or keep:
         for block in pe.chunks(chunk_size):
-            g = block.to(acc.dtype)  # blocks are fresh tensors: scale and square in place
+            g = block.to(acc.dtype)  # fresh blocks are scaled and squared in place
+            if g is block and not pe.owned:
+                g = g.clone()
             if scale != 1.0:
                 g.mul_(scale)
             if keep:

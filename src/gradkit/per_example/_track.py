@@ -46,6 +46,7 @@ from gradkit.per_example._layout import call_layout, inner_batch_dim
 from gradkit.per_example._registry import RuleContext, Use, find_rule
 from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
 from gradkit.per_example.rules import vmap_rule
+from gradkit.per_example.rules._thirdparty import register_available
 
 __all__ = ["Tracker", "track"]
 
@@ -218,6 +219,7 @@ class Tracker(Mapping[str, ParamStats]):
         self._params = {id(p): p for p in model.parameters()}
         self._accs: dict[int, _Acc] = {}
         self._states: list[_ModuleState] = []
+        register_available()  # rules for third-party layers whose library the user imported
         owners: dict[int, int] = {}
         claimed: list[str] = []  # subtrees a fallback module differentiates as a whole
         for name, module in model.named_modules():
@@ -409,6 +411,8 @@ class Tracker(Mapping[str, ParamStats]):
                 if g is None:
                     continue
                 g = g.detach()
+                if g.is_sparse:  # Embedding(sparse=True)
+                    g = g.to_dense()
                 decided = record.from_edges.get(pid)
                 if decided:
                     self._accs[pid].add_sum(1, g, alpha=self._scale(record.call.n))
@@ -608,7 +612,7 @@ def _combine(parts: list[PerExampleGrad]) -> PerExampleGrad:
             )
     mats = [p for p in parts if isinstance(p, Materialized)]
     if len(mats) == len(parts):
-        return Materialized(torch.stack([m.grads for m in mats]).sum(0))
+        return Materialized(torch.stack([m.grads for m in mats]).sum(0), owned=True)
     return _Sum(parts)
 
 

@@ -4,6 +4,13 @@ Example ``n`` looks up rows ``idx[n, t]``; its gradient is ``g_n[v] = sum_{t: id
 (repeated indices within one example are summed before any power; ``padding_idx`` rows get no
 gradient, as in PyTorch). The nonzero rows of all examples are formed once by an index-add over
 unique ``(n, v)`` pairs; powers and norms then cost ``O(#pairs * d)``.
+
+``max_norm`` is exact: the forward renormalizes the rows it looks up in place, under no_grad,
+before the lookup; a row's renormalization depends on that row only and leaves it within
+``max_norm``, so the rows example ``n`` sees are the same whether it runs alone or in a batch,
+and the lookup's gradient does not depend on the weight. ``scale_grad_by_freq`` is refused (a
+:class:`~gradkit.GradkitError` says why): the batch gradient divides each row by its count in
+the whole batch, so it is no sum of per-example gradients.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from gradkit._errors import GradkitError, message
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import acc_dtype
@@ -54,6 +62,18 @@ def embedding_rule(
 ) -> dict[str, PerExampleGrad]:
     """Per-example gradients of ``nn.Embedding`` (see the module docstring)."""
     assert isinstance(module, nn.Embedding)
+    if module.scale_grad_by_freq:
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                f"Embedding({module.num_embeddings}, {module.embedding_dim}).scale_grad_by_freq",
+                "False (it divides each row's gradient by the row's count in the whole batch, "
+                "so an example's gradient depends on the other examples and the batch gradient "
+                "is no sum of per-example gradients)",
+                "True",
+                "construct the Embedding with scale_grad_by_freq=False",
+            )
+        )
     n = uses[0].grad_output.shape[0]
     d = module.embedding_dim
     idx = torch.cat([u.inputs[0].reshape(n, -1) for u in uses], 1)

@@ -198,4 +198,4 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
                 else [t + g for t, g in zip(totals, grads, strict=True)]
             )
     assert totals is not None
-    return {k: Materialized(t) for k, t in zip(names, totals, strict=True)}
+    return {k: Materialized(t, owned=True) for k, t in zip(names, totals, strict=True)}

@@ -27,5 +27,5 @@ def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     if "weight" in ctx.params:
         out["weight"] = OuterProduct(a[:, :, None], g[:, :, None], ctx.params["weight"].shape)
     if "bias" in ctx.params:
-        out["bias"] = Materialized(g.sum(1))
+        out["bias"] = Materialized(g.sum(1), owned=True)
     return out
