@@ -352,12 +352,84 @@ class NotBroadcast(nn.Module):
         return x + self.bias(rel).permute(2, 0, 1).unsqueeze(0)
 
 
-def test_output_without_batch_that_is_not_broadcast_fails_with_a_note() -> None:
+def test_output_without_batch_that_is_not_one_example_raises() -> None:
+    """[T, T] relative positions are not shaped like one example ([2, T, T]): not reshaped, and
+    its gradient, summed over the batch by broadcasting, cannot be split: a clear error."""
     model = NotBroadcast().double()
     x = torch.randn(3, 2, 4, 4, dtype=D)
-    with pytest.raises(RuntimeError) as err, track(model, "variance"):
-        model(x)
-    assert "gave these modules a batch dimension" in "".join(getattr(err.value, "__notes__", []))
+    plain = model(x)
+    with (
+        pytest.raises(GradkitError, match=r"bias \(Embedding\).*\(4, 4, 2\).*3 examples"),
+        track(model, "variance"),
+    ):
+        out = model(x)
+        assert torch.equal(out, plain)  # the forward is untouched
+        out.pow(2).sum().backward()
+
+
+class Codebook(nn.Module):
+    """A module called with no tensor input whose output [K, d] is broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, k: int) -> torch.Tensor:
+        return self.table[:k] * 2.0
+
+
+class UsesCodebook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.codes = Codebook()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inp(x) + self.codes(x.shape[1])
+
+
+def test_module_without_tensor_inputs_broadcast_over_the_batch() -> None:
+    model = UsesCodebook().double()
+    x, y = torch.randn(5, 4, 8, dtype=D), torch.randn(5, 4, 8, dtype=D)
+    case = Case("codebook", UsesCodebook, lambda n: None, lambda m, b, r: sq(m(x[r]), y[r]))
+    ref = loop_oracle(case, model, None, 5)
+    compare(tracked(case, model, None, [2, 3], "sum"), ref, rtol=1e-10, atol=1e-12)
+
+
+class PositionsFirst(nn.Module):
+    """Positions looked up before the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(6, 8)
+        self.tok = nn.Embedding(11, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        p = self.pos(torch.arange(idx.shape[1])[None])
+        return self.out(self.tok(idx) + p)
+
+
+def test_broadcast_layer_called_before_the_batched_ones() -> None:
+    model = PositionsFirst().double()
+    idx, y = ids_batch(3)
+    case = Case("first", PositionsFirst, ids_batch, lambda m, b, r: sq(m(b[0][r]), b[1][r]))
+    ref = loop_oracle(case, model, (idx, y), 3)
+    compare(tracked(case, model, (idx, y), [3], "mean"), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_flat_bag_input_is_not_taken_for_the_batch() -> None:
+    """model(text, offsets): the first input is a flat list of indices, not the batch."""
+    model = nn.Sequential()
+    bag = nn.EmbeddingBag(10, 4, mode="sum").double()
+    text, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2])
+    plain = bag(text, offsets)
+    with track(bag, "batch_grad") as stats:
+        out = bag(text, offsets)
+        assert torch.equal(out, plain)
+        out.pow(2).sum().backward()
+    assert stats["weight"].batch_grad.shape == (2, 10, 4)
+    del model
 
 
 def test_broadcast_output_is_a_view_with_the_same_values() -> None:

@@ -1,21 +1,27 @@
 """How one call of a tracked module is split into examples, broadcast inputs included.
 
-Given where the examples are in each tensor of the call (:mod:`._layout`) and ``N``, the number
-of examples the model was called on, a call is one of:
+The number of examples ``N`` of a model call is the batch size of its first input. Where that
+input is a flat list (1-D) and the first tracked module the model calls has another batch size
+(a flat list of indices for an ``EmbeddingBag``: the bags are the examples), ``N`` is not
+trusted for that call and no call is reshaped. Given where the examples are in each tensor of a call
+(:mod:`._layout`) and a confirmed ``N``, a call is one of:
 
-* **batched**: its outputs have ``N`` (or, outside a model call, any number of) examples along
-  their batch dimension: the usual case;
+* **batched**: its outputs have ``N`` (or, without a confirmed ``N``, any number of) examples
+  along their batch dimension: the usual case;
 * **broadcast**: its outputs have batch size 1 while the model runs on ``N > 1`` examples (Hugging
   Face's GPT-2 and BERT look up learned positions with ``position_ids`` of shape ``[1, T]`` and
   let broadcasting add them to every example). The outputs are replaced by views expanded to
   ``N`` along the batch dimension (stride 0, no copy, identical values wherever the model
   broadcasts them), so the gradient w.r.t. them arrives per example, before broadcasting would
   sum it over the batch;
-* **unbatched**: a module whose inputs carry no gradient and no batch dimension (nanoGPT's
-  ``wpe(torch.arange(T))`` gives ``[T, d]``, added to ``[N, T, d]``) with one output: it gets a
-  leading batch dimension of ``N``, as broadcasting would give it (``batch_dim`` 0 only);
-* **mismatch**: anything else whose batch size is not ``N``: per-example gradients cannot be
-  split from its output; a gradient reaching it raises.
+* **unbatched**: a module with one output and ``batch_dim`` 0 whose tensor inputs carry no
+  gradient and are shaped like *one example* of the model's first input (nanoGPT's
+  ``wpe(torch.arange(T))`` on ``idx`` of shape ``[N, T]`` gives ``[T, d]``, added to
+  ``[N, T, d]``): its output gets a leading batch dimension of ``N``, as broadcasting would give
+  it;
+* **mismatch**: anything else whose batch size is not ``N`` (a layer on ``[N * T, d]``, T5's
+  relative position table ``[T, T]``): per-example gradients cannot be split from its output,
+  and a gradient reaching it raises.
 
 Rules receive tensors with the examples in dimension 0 (shared tensors as they are); the vmap
 fallback receives them as the module saw them, with the dims of each leaf.
@@ -31,7 +37,24 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradkit.per_example._layout import CallLayout
 
-__all__ = ["Call", "Dims", "split_call"]
+__all__ = ["Call", "Dims", "ModelCall", "split_call"]
+
+
+@dataclass
+class ModelCall:
+    """The model call under way: its candidate number of examples and the shape of one example
+    of its first input; ``trusted`` is None until the first tracked module call decides."""
+
+    n: int | None
+    example_shape: tuple[int, ...] | None
+    trusted: bool | None = None
+
+    def confirm(self, n_first: int | None) -> None:
+        """The first tracked module call had ``n_first`` examples: ``n`` is trusted if it
+        agrees, or if the first input is more than a flat list (a flat list of indices for an
+        ``EmbeddingBag`` is not the batch; anything else is, and the module is the odd one)."""
+        if self.trusted is None:
+            self.trusted = self.n is not None and (n_first == self.n or self.example_shape != ())
 
 
 @dataclass
@@ -78,12 +101,12 @@ def split_call(
     output: Any,
     layout: CallLayout,
     *,
-    n_model: int | None,
+    model: ModelCall | None,
     batch_dim: int,
     batch_first: bool,
 ) -> Call:
-    """Split one call (see the module docstring); ``n_model`` is the batch size of the model
-    call this module call belongs to (None: called outside it)."""
+    """Split one call (see the module docstring); ``model`` is the model call this module call
+    belongs to (None: called outside it)."""
     out_leaves, out_spec = tree_flatten(output)
     in_leaves, in_spec = tree_flatten((args, kwargs))
     live = [
@@ -93,13 +116,21 @@ def split_call(
     ]
     sizes = {_size(out_leaves[k], layout.output[k]) for k in live}
     n_mod = next(iter(sizes)) if len(sizes) == 1 else None
+    n_model = None
+    if model is not None:
+        model.confirm(n_mod)
+        n_model = model.n if model.trusted else None
     n = n_model if n_model is not None else n_mod
     mode = "batched"
     if n_model is not None and n_mod != n_model:
-        takes_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in in_leaves)
+        tensors = [t for t in in_leaves if isinstance(t, torch.Tensor)]
+        one_example = all(
+            not t.requires_grad and tuple(t.shape) == model.example_shape  # type: ignore[union-attr]
+            for t in tensors
+        )
         if n_mod == 1 and n_model > 1:
             mode = "broadcast"
-        elif batch_dim == 0 and len(out_leaves) == 1 and not takes_grad and not sizes - {n_mod}:
+        elif batch_dim == 0 and len(out_leaves) == 1 and one_example:
             mode = "unbatched"
         else:
             mode = "mismatch"

@@ -11,6 +11,8 @@ layer count of 2 over a micro-batch of 2 examples is no batch dimension):
 * ``nn.MultiheadAttention``: query, key, value and the output ``0`` if ``batch_first`` else
   ``1``; ``key_padding_mask`` and the attention weights ``0``; a 2-D ``attn_mask`` is shared by
   all examples;
+* ``nn.EmbeddingBag``: the output ``0``; a 2-D input and its ``per_sample_weights`` ``0``; a flat
+  input with ``offsets`` (or a nested one) has no batch dimension (the bags are the examples);
 * a module inside a ``torch.nn`` transformer block (``TransformerEncoderLayer``,
   ``TransformerDecoderLayer``, their stacks, ``Transformer``): ``0`` if the block is
   ``batch_first`` else ``1`` (its Linear and LayerNorm layers see ``[T, N, E]``);
@@ -107,6 +109,20 @@ def _attention(
     )
 
 
+_BAG_ARGS = ("input", "offsets", "per_sample_weights")
+
+
+def _bag(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> CallLayout:
+    x = args[0] if args else kwargs.get("input")
+    rows = 0 if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_nested else None
+
+    def dim_of(key: int | str, value: Any) -> list[int | None]:
+        name = _BAG_ARGS[key] if isinstance(key, int) and key < len(_BAG_ARGS) else key
+        return _dims(value, rows if name in ("input", "per_sample_weights") else None)
+
+    return CallLayout(_call(args, kwargs, dim_of), _dims(output, 0))
+
+
 def call_layout(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, batch_dim: int
 ) -> CallLayout:
@@ -115,6 +131,8 @@ def call_layout(
         return _rnn(module, args, kwargs, output)
     if isinstance(module, nn.MultiheadAttention):
         return _attention(module, args, kwargs, output)
+    if isinstance(module, nn.EmbeddingBag):
+        return _bag(args, kwargs, output)
     return CallLayout(_dims((args, kwargs), batch_dim), _dims(output, batch_dim))
 
 

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradkit._errors import GradkitError, message
 from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
-from gradkit.per_example._batch import Call, Dims, split_call
+from gradkit.per_example._batch import Call, Dims, ModelCall, split_call
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
 from gradkit.per_example._layout import call_layout, inner_batch_dim
 from gradkit.per_example._registry import RuleContext, Use, find_rule
@@ -91,16 +91,17 @@ class _ModuleState:
     pending: list[tuple[_UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> int | None:
-    """The number of examples of a model call: the batch dimension of its first input that
-    has one (a PackedSequence: its first batch size)."""
+def _model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> ModelCall:
+    """The candidate number of examples of a model call: the batch dimension of its first
+    input that has one (a PackedSequence: its first batch size)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, PackedSequence):
-            return int(value.batch_sizes[0])
+            return ModelCall(int(value.batch_sizes[0]), None)
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
-                return int(t.shape[batch_dim])
-    return None
+                shape = t.shape[:batch_dim] + t.shape[batch_dim + 1 :]
+                return ModelCall(int(t.shape[batch_dim]), tuple(shape))
+    return ModelCall(None, None)
 
 
 def _use(call: Call, grads: list[torch.Tensor | None], native: bool) -> Use:
@@ -271,7 +272,7 @@ class Tracker(Mapping[str, ParamStats]):
         self._done: list[_UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
-        self._model_n: list[int | None] = []  # batch sizes of the model calls under way
+        self._model_calls: list[ModelCall] = []  # the model calls under way
         self._reshaped: list[str] = []  # modules given a batch dimension in this model call
 
     # -- context manager ---------------------------------------------------------------------
@@ -314,7 +315,7 @@ class Tracker(Mapping[str, ParamStats]):
             h.remove()
         self._handles.clear()
         self._active = False
-        self._model_n.clear()
+        self._model_calls.clear()
         self._sizes.clear()
         for st in self._states:
             st.pending.clear()
@@ -326,10 +327,10 @@ class Tracker(Mapping[str, ParamStats]):
     # -- capture -------------------------------------------------------------------------------
 
     def _model_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        self._model_n.append(_batch_size(args, kwargs, self._batch_dim))
+        self._model_calls.append(_model_call(args, kwargs, self._batch_dim))
 
     def _model_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        n = self._model_n.pop() if self._model_n else None
+        n = self._model_calls.pop().n if self._model_calls else None
         failed = sys.exc_info()[1]
         if failed is not None and self._reshaped and hasattr(failed, "add_note"):
             failed.add_note(
@@ -355,7 +356,7 @@ class Tracker(Mapping[str, ParamStats]):
                 kwargs,
                 output,
                 call_layout(module, args, kwargs, output, st.batch_dim),
-                n_model=self._model_n[-1] if self._model_n else None,
+                model=self._model_calls[-1] if self._model_calls else None,
                 batch_dim=st.batch_dim,
                 batch_first=st.rule is not vmap_rule,
             )
