@@ -1,27 +1,52 @@
 """Smoke tests of the ``per_example`` benchmark suite: it runs, writes its JSON and markdown,
 every result agrees with the torch.func reference, and the memory subprocesses report numbers.
-Timing and memory targets are never asserted (machines are noisy)."""
+Timing and memory targets are never asserted (machines are noisy).
+
+The ``gpt2`` model (Hugging Face GPT-2, position ids broadcast over the batch) runs where
+``transformers`` is installed; a method that raises or disagrees must fail the run."""
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from gradkit._bench import main
+import gradkit
+from gradkit._bench import _parser, main
+from gradkit._bench._case import Settings, run_case
 from gradkit._bench.per_example import (
+    _PEERS,
     MODELS,
-    QUANTITIES,
+    _case,
     _problem,
     _Runner,
+    _Variant,
+    build_cases,
     measure_memory,
     memory_child,
+    quantities,
 )
 
 PEERS = {
     "backpack": importlib.util.find_spec("backpack") is not None,
     "opacus": importlib.util.find_spec("opacus") is not None,
 }
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+RUN = [m for m in MODELS if m != "gpt2" or HAS_TRANSFORMERS]
+
+
+def _check_peers(case):
+    """Each installed peer is timed, or left out with a note saying what it raised."""
+    methods = {m["key"] for m in case["methods"]}
+    for peer, installed in PEERS.items():
+        if not installed:
+            assert peer not in methods, (case["key"], peer)
+        elif peer not in methods:
+            why = [n for n in case["notes"] if n.startswith(f"{_PEERS[peer]} fails on")]
+            why += [n for n in case["notes"] if n.startswith(f"{_PEERS[peer]} refuses")]
+            assert why and " raised " in why[0], (case["key"], peer, case["notes"])
 
 
 @pytest.mark.slow
@@ -33,7 +58,8 @@ def test_per_example_suite_smoke(tmp_path, capsys):
     assert result["suite"] == "per_example"
     assert result["config"]["memory"] is False  # off unless asked, in smoke and quick runs
     keys = [c["key"] for c in result["cases"]]
-    assert keys == [f"{m}_{q}" for m in MODELS for q in QUANTITIES]
+    assert keys == [f"{m}_{q}" for m in RUN for q in quantities(m)]
+    assert set(quantities("gpt2")) >= {"variance", "batch_l2"}
 
     mismatches = [
         (c["key"], m["key"], m["max_abs_diff"])
@@ -49,8 +75,10 @@ def test_per_example_suite_smoke(tmp_path, capsys):
         assert methods["plain"]["agree"] is None  # timed for scale, nothing to compare
         assert methods["gradkit"]["agree"] is True
         assert methods["torch_func"]["agree"] is True
-        for peer, installed in PEERS.items():
-            assert (peer in methods) == installed, (case["key"], peer)
+        if not case["key"].startswith("gpt2"):  # these models take every installed peer
+            for peer, installed in PEERS.items():
+                assert (peer in methods) == installed, (case["key"], peer)
+        _check_peers(case)
         assert case["targets"][0]["name"].startswith("gradkit ")
         for t in case["targets"]:
             assert t["ratio"] > 0
@@ -88,8 +116,116 @@ def test_memory_child(capsys):
 
 
 def test_memory_flag():
-    from gradkit._bench import _parser
-
     assert _parser().parse_args([]).memory is None  # main: on for full runs only
     assert _parser().parse_args(["--memory"]).memory is True
     assert _parser().parse_args(["--quick", "--no-memory"]).memory is False
+
+
+def test_models_flag(tmp_path, capsys):
+    assert _parser().parse_args([]).models is None
+    assert _parser().parse_args(["--models", "gpt2", "mlp"]).models == ["gpt2", "mlp"]
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--models", "resnet"])
+    with pytest.raises(SystemExit):  # the other suites have no models to choose from
+        main(["--suite", "func", "--models", "mlp", "--smoke", "--out", str(tmp_path)])
+    assert "--models: expected --suite per_example" in capsys.readouterr().err
+    assert not (tmp_path / "func.json").exists()
+
+
+def test_models_flag_runs_only_those_models(tmp_path):
+    argv = ["--suite", "per_example", "--models", "seq", "--smoke", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "per_example.json").read_text(encoding="utf-8"))
+    assert [c["key"] for c in result["cases"]] == [f"seq_{q}" for q in quantities("seq")]
+    assert result["config"]["models"] == ["seq"]
+    assert result["summary"]["all_agree"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_gpt2_cases_agree_with_torch_func(tmp_path):
+    """GPT-2 as its users call it: gradkit must agree with torch.func's per-example gradients
+    (the run exits 1 if gradkit raises or disagrees)."""
+    argv = ["--suite", "per_example", "--models", "gpt2", "--smoke", "--out", str(tmp_path)]
+    code = main(argv)
+    result = json.loads((tmp_path / "per_example.json").read_text(encoding="utf-8"))
+    cases = {c["key"]: c for c in result["cases"]}
+    assert list(cases) == [f"gpt2_{q}" for q in quantities("gpt2")]
+    failures = {
+        (key, m["key"]): (m["max_abs_diff"], [n for n in c["notes"] if "raised" in n])
+        for key, c in cases.items()
+        for m in c["methods"]
+        if m["agree"] is False
+    }
+    assert failures == {}
+    assert code == 0
+    for case in cases.values():
+        methods = {m["key"]: m for m in case["methods"]}
+        assert methods["gradkit"]["agree"] is True and methods["torch_func"]["agree"] is True
+        assert case["setup"]["input"] == "4x64"
+        assert 0.9e6 < case["setup"]["parameters"] < 1.1e6
+        assert any("[1, T]" in n for n in case["notes"])
+        _check_peers(case)
+        assert case["targets"][0]["target"] is not None  # the goal is judged
+
+
+def test_gpt2_is_skipped_with_a_note_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cases = build_cases("quick", ("seq", "gpt2"))
+        assert [c.key for c in cases] == [f"seq_{q}" for q in quantities("seq")]
+        for case in cases:
+            assert any(n.startswith("The `gpt2` cases are skipped") for n in case.notes)
+        with pytest.raises(ValueError, match="no case left to run.*transformers"):
+            build_cases("quick", ("gpt2",))
+    with pytest.raises(ValueError, match="expected names of"):
+        build_cases("quick", ("resnet",))
+
+
+def test_transformers_is_imported_only_to_build_gpt2():
+    code = (
+        "import sys, gradkit._bench.per_example as pe; "
+        "assert 'transformers' not in sys.modules; "
+        "pe._problem('mlp', 0, 2); assert 'transformers' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_raising_gradkit_is_a_mismatch_and_its_goal_is_not_judged(monkeypatch):
+    runner = _Runner(_problem("mlp", 0, 4), peers=False)
+    grads = runner.func_grads()
+
+    def broken(*args, **kwargs):
+        raise gradkit.GradkitError("per_example.track: model: broken on purpose")
+
+    monkeypatch.setattr(gradkit.per_example, "track", broken)
+    case = _case(runner, "variance", grads, "quick")
+    result = run_case(case, Settings(repeats=1, warmup=1, min_sample_s=0.0))
+    methods = {m["key"]: m for m in result["methods"]}
+    assert methods["gradkit"]["agree"] is False and methods["gradkit"]["max_abs_diff"] is None
+    assert result["agreement"]["all_agree"] is False
+    assert result["targets"][0]["target"] is None and result["targets"][0]["pass"] is None
+    assert any(n.startswith("gradkit raised GradkitError in ") for n in result["notes"])
+    assert any("broken on purpose" in n for n in result["notes"])
+
+
+def test_a_peer_that_raises_is_left_out_with_a_note(monkeypatch):
+    runner = _Runner(_problem("mlp", 0, 4), peers=False)
+    grads = runner.func_grads()
+    variants = runner.variants("variance")
+
+    def refuse():
+        raise NotImplementedError("no rule for this layer")
+
+    variants["opacus"] = _Variant("Opacus something", refuse)
+    monkeypatch.setattr(runner, "variants", lambda quantity: variants)
+    result = run_case(
+        _case(runner, "variance", grads, "quick"), Settings(repeats=1, warmup=1, min_sample_s=0.0)
+    )
+    assert [m["key"] for m in result["methods"]] == ["plain", "gradkit"]
+    assert result["agreement"]["all_agree"] is True
+    note = next(n for n in result["notes"] if n.startswith("Opacus fails on this model"))
+    assert "`Opacus something` raised NotImplementedError in " in note
+    assert "no rule for this layer" in note

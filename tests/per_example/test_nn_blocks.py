@@ -439,3 +439,21 @@ def test_broadcast_output_is_a_view_with_the_same_values() -> None:
     with track(model, "variance"):
         assert torch.equal(model(idx), plain)
     assert gradkit.per_example.find_rule(model.pos) is not None
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_tracker_of_a_broadcast_model_is_freed(backward: bool) -> None:
+    """The expanded output holds the hook that holds the tracker: released with the graph."""
+    import gc
+    import weakref
+
+    model = Positions(True).double()
+    idx, _ = ids_batch(4)
+    with track(model, "variance", "batch_l2") as stats:
+        out = model(idx).pow(2).sum()
+        if backward:
+            out.backward()
+    ref = weakref.ref(stats)
+    del stats, out
+    gc.collect()
+    assert ref() is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,10 @@ _BY_MODE: dict[str, Callable[[str], list[Case]]] = {
     "per_example": per_example.build_cases,
     "hyper": hyper.build_cases,
 }
+# suites that run a chosen subset of their models (--models)
+_BY_MODELS: dict[str, Callable[[str, Sequence[str]], list[Case]]] = {
+    "per_example": per_example.build_cases,
+}
 # suites that measure peak memory in subprocesses when asked (--memory)
 _MEMORY: dict[str, Callable[..., None]] = {
     "per_example": per_example.add_memory,
@@ -61,17 +65,27 @@ def run_suite(
     threads: int = 1,
     seed: int = 0,
     memory: bool = False,
+    models: Sequence[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run one suite and return its results as a JSON-ready dict (nothing is written).
 
     ``memory``: also measure peak memory where the suite does (in subprocesses, after timing).
+    ``models``: only these models (suites of ``_BY_MODELS``; None: all).
     """
+    if models is not None and name not in _BY_MODELS:
+        raise ValueError(
+            f"run_suite({name!r}): models: expected None for this suite (only "
+            f"{', '.join(_BY_MODELS)} choose models), got {list(models)}; leave it out."
+        )
     settings = _MODES[mode]
     started = time.perf_counter()
     with num_threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        cases = _BY_MODE[name](mode) if name in _BY_MODE else SUITES[name]()
+        if models is not None:
+            cases = _BY_MODELS[name](mode, models)
+        else:
+            cases = _BY_MODE[name](mode) if name in _BY_MODE else SUITES[name]()
         results = []
         for case in cases:
             if log is not None:
@@ -95,6 +109,7 @@ def run_suite(
             "seed": seed,
             "threads": threads,
             "memory": memory,
+            "models": None if models is None else list(models),
         },
         "cases": results,
     }
@@ -133,6 +148,14 @@ def _parser() -> argparse.ArgumentParser:
         "per variant (default: on in full runs, off with --quick)",
     )
     p.add_argument(
+        "--models",
+        nargs="+",
+        choices=per_example.MODELS,
+        metavar="MODEL",
+        help="per_example suite: only these models, of "
+        f"{', '.join(per_example.MODELS)} (default: all)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("benchmarks/results"),
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads: expected a positive int, got {args.threads}")
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     names = list(SUITES) if args.suite == "all" else [args.suite]
+    if args.models is not None and names != ["per_example"]:
+        parser.error(f"--models: expected --suite per_example, got --suite {args.suite}")
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -156,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for name in names:
         memory = mode == "full" if args.memory is None else args.memory
-        result = run_suite(name, mode=mode, threads=args.threads, memory=memory, log=log)
+        result = run_suite(
+            name, mode=mode, threads=args.threads, memory=memory, models=args.models, log=log
+        )
         json_path, md_path = write_outputs(result, args.out)
         print(render_markdown(result))
         print(f"Wrote {json_path} and {md_path}")

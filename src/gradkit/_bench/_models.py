@@ -12,7 +12,16 @@ from torch.func import jacfwd, jacrev, vmap
 
 import gradkit.func as gf
 
-__all__ = ["apply_mlp", "deepobs_3c3d", "mlp", "mlp_name", "relu_mlp", "seq_linear", "warm_up"]
+__all__ = [
+    "apply_mlp",
+    "deepobs_3c3d",
+    "gpt2_lm",
+    "mlp",
+    "mlp_name",
+    "relu_mlp",
+    "seq_linear",
+    "warm_up",
+]
 
 
 def mlp(sizes: Sequence[int], dtype: torch.dtype = torch.float32) -> nn.Sequential:
@@ -62,6 +71,39 @@ def deepobs_3c3d(num_classes: int = 10) -> nn.Sequential:
         nn.ReLU(),
         nn.Linear(256, num_classes),
     )
+
+
+def gpt2_lm(
+    vocab_size: int = 1536,
+    n_positions: int = 64,
+    n_embd: int = 128,
+    n_layer: int = 4,
+    n_head: int = 4,
+) -> nn.Module:
+    """A Hugging Face ``GPT2LMHeadModel`` built from a small ``GPT2Config`` (no download), with
+    every dropout off; with the defaults about 1.0M parameters.
+
+    It maps token ids ``[N, T]`` (``T <= n_positions``) to ``.logits`` ``[N, T, vocab_size]``.
+    The head's weight is the token embedding's (tied), and the model builds the position ids
+    itself as ``[1, T]``, broadcast over the batch. ``transformers`` is imported here, so that
+    it is needed only by whoever builds this model: ImportError when it is not installed.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=vocab_size - 1,
+        eos_token_id=vocab_size - 1,
+    )
+    model: nn.Module = GPT2LMHeadModel(config)
+    return model
 
 
 def mlp_name(sizes: Sequence[int]) -> str:

@@ -4,7 +4,11 @@ Models, peers and goals follow moments.md sections 5 and 6 (CPU, 1 thread):
 
 * ``mlp``: MLP 784-512-256-10 (ReLU), batch 128, cross entropy (mean);
 * ``seq``: ``Linear(256, 256)`` on ``[32, 64, 256]`` then ``Flatten``, MSE (sum);
-* ``3c3d``: the DeepOBS 3c3d CNN on ``[64, 3, 32, 32]``, cross entropy (mean).
+* ``3c3d``: the DeepOBS 3c3d CNN on ``[64, 3, 32, 32]``, cross entropy (mean);
+* ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` of about 1.0M parameters (4 layers, width 128,
+  tied head) on token ids ``[16, 64]``, called as ``model(input_ids=x).logits`` (the model
+  broadcasts its ``[1, T]`` position ids over the batch), mean token cross entropy; variance and
+  per-example norms only. Skipped with a note when ``transformers`` is not installed.
 
 For each model and each of variance, second moment, per-example squared norms (``batch_l2``,
 summed over parameters) and per-example gradients (``batch_grad``), every method runs one forward
@@ -12,7 +16,11 @@ and one backward pass and reads its result; ratios are to the plain forward and
 ``loss.backward()`` (no extension) timed side by side. Statistics are of the individual gradients
 ``g_i = d l_i / d theta``: BackPACK gives those of ``g_i / N`` under a mean loss, rescaled outside
 the timed call before the comparison with the reference (torch.func per-example gradients in
-float32, reduced in float64). Peers that are not installed are skipped with a note.
+float32, reduced in float64). Peers that are not installed are skipped with a note; a peer that
+raises or returns malformed results on a model (on GPT-2: BackPACK skips Conv1D and LayerNorm,
+Opacus returns one position-embedding gradient for the whole batch and its ghost clipping refuses
+tied weights) is left out of that case with a note saying what it raised and where. If gradkit
+raises, its result counts as a mismatch (NaN): the run then exits 1, and its goal is not judged.
 
 Peak memory of the variance (``--memory``): one subprocess per variant builds model, data and
 every peer's wrapper, computes the variance once and reports its peak RSS; the extra memory is
@@ -30,9 +38,10 @@ import resource
 import statistics
 import subprocess
 import sys
+import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +52,14 @@ from torch.func import functional_call, grad, vmap
 
 import gradkit
 from gradkit._bench._case import Case, Method, Target, flat
-from gradkit._bench._models import deepobs_3c3d, relu_mlp, seq_linear
+from gradkit._bench._models import deepobs_3c3d, gpt2_lm, relu_mlp, seq_linear
 
-__all__ = ["MODELS", "QUANTITIES", "add_memory", "build_cases", "memory_child"]
+__all__ = ["MODELS", "QUANTITIES", "add_memory", "build_cases", "memory_child", "quantities"]
 
-MODELS = ("mlp", "seq", "3c3d")
+MODELS = ("mlp", "seq", "3c3d", "gpt2")
 QUANTITIES = ("variance", "second_moment", "batch_l2", "batch_grad")
+_QUANTITIES_OF = {"gpt2": ("variance", "batch_l2")}  # models that run only some quantities
+_PEERS = {"backpack": "BackPACK", "opacus": "Opacus", "torch_func": "torch.func"}
 _WORDS = {
     "variance": "variance",
     "second_moment": "second moment",
@@ -70,15 +81,37 @@ _GOALS = {  # ratio to plain forward + backward (moments.md 6.1, as set for this
     ("3c3d", "variance"): 3.0,
     ("3c3d", "batch_l2"): 1.5,
     ("3c3d", "batch_grad"): 2.5,
+    ("gpt2", "variance"): 1.5,
+    ("gpt2", "batch_l2"): 1.3,
 }
-_MEMORY_GOALS: dict[str, float | None] = {"mlp": 2.0, "seq": None, "3c3d": 2.5}
-_SMOKE_BATCH = {"mlp": 8, "seq": 4, "3c3d": 4}
+_MEMORY_GOALS: dict[str, float | None] = {"mlp": 2.0, "seq": None, "3c3d": 2.5, "gpt2": None}
+_SMOKE_BATCH = {"mlp": 8, "seq": 4, "3c3d": 4, "gpt2": 4}
 _PEER_SKIP_QUICK = "Peers are timed in full runs only (a --quick run times plain and gradkit)."
+
+
+def quantities(key: str) -> tuple[str, ...]:
+    """The quantities the suite computes on model ``key``, in report order."""
+    return _QUANTITIES_OF.get(key, QUANTITIES)
+
+
+def _positional(f: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = f(x)
+    return out
+
+
+def _logits(f: Callable[..., Any], x: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM called as its users do: ``f(input_ids=x).logits``."""
+    out: torch.Tensor = f(input_ids=x).logits
+    return out
 
 
 @dataclass
 class _Problem:
-    """A model, a batch and its loss; ``reduction`` is how the loss combines the examples."""
+    """A model, a batch and its loss; ``reduction`` is how the loss combines the examples.
+
+    ``call(f, x)`` is the output of the model (or of anything called like it, e.g. a wrapper or
+    a ``functional_call``) on ``x``.
+    """
 
     key: str
     name: str
@@ -88,13 +121,15 @@ class _Problem:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     reduction: str
     loss_name: str
+    call: Callable[[Callable[..., Any], torch.Tensor], torch.Tensor] = _positional
+    notes: list[str] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return self.x.shape[0]
 
     def loss(self, module: nn.Module) -> torch.Tensor:
-        return self.loss_fn(module(self.x), self.y)
+        return self.loss_fn(self.call(module, self.x), self.y)
 
     def setup(self) -> dict[str, Any]:
         return {
@@ -108,6 +143,20 @@ class _Problem:
 
 def _mse_sum(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y, reduction="sum")
+
+
+def _token_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over all ``N * T`` tokens of ``logits [N, T, V]`` and ``y [N, T]``:
+    the mean over examples of each sequence's mean (every sequence has ``T`` tokens)."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+_GPT2_NOTE = (
+    "GPT-2 is called as `model(input_ids=x).logits`: the model builds its position ids as "
+    "[1, T] and broadcasts them over the batch, so the position embedding is shared by all "
+    "examples in one call. Loss: mean cross entropy of the next token over all N * T "
+    "positions (tokens drawn uniformly), i.e. the mean over examples of each sequence's mean."
+)
 
 
 def _problem(key: str, seed: int, batch: int | None = None) -> _Problem:
@@ -149,6 +198,23 @@ def _problem(key: str, seed: int, batch: int | None = None) -> _Problem:
             "mean",
             "cross entropy (mean)",
         )
+    if key == "gpt2":
+        n, length, vocab = batch or 16, 64, 1536
+        model = gpt2_lm(vocab_size=vocab, n_positions=length)
+        tokens = torch.randint(0, vocab, (n, length + 1))
+        return _Problem(
+            key,
+            "GPT-2 (Hugging Face GPT2LMHeadModel, 4 layers, width 128, 4 heads, vocabulary "
+            f"{vocab}, tied head) on token ids of length {length}",
+            model,
+            tokens[:, :-1],
+            tokens[:, 1:],
+            _token_cross_entropy,
+            "mean",
+            "next-token cross entropy (mean over tokens)",
+            call=_logits,
+            notes=[_GPT2_NOTE],
+        )
     raise ValueError(f"per_example suite: key: expected one of {MODELS}, got {key!r}")
 
 
@@ -180,6 +246,49 @@ def _reference(quantity: str, grads: list[torch.Tensor]) -> Any:
     if quantity == "second_moment":
         return [g.double().square().mean(0) for g in grads]
     return torch.stack([g.flatten(1).double().square().sum(1) for g in grads]).sum(0)
+
+
+def _raised(error: BaseException) -> str:
+    """What ``error`` is and where it was raised (its innermost frame), on one line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = ""
+    if frames:
+        frame = frames[-1]
+        path = frame.filename.replace(os.sep, "/")
+        for root in ("site-packages/", "/src/"):
+            if root in path:
+                path = path.rsplit(root, 1)[1]
+                break
+        where = f" in {path}:{frame.lineno} ({frame.name})"
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(error).__name__}{where}: {text}"
+
+
+def _error_of(fn: Callable[[], Any]) -> str | None:
+    """None if ``fn()`` returns; else what it raised and where (see :func:`_raised`)."""
+    try:
+        out = fn()
+        del out
+    except Exception as error:  # reported in the case, never swallowed
+        return _raised(error)
+    return None
+
+
+def _unset(model: nn.Module, attr: str, got: list[Any]) -> str:
+    """Which parameters BackPACK left without ``attr`` (``got[i]`` None), and their modules."""
+    owners: dict[int, str] = {}
+    for m in model.modules():
+        for q in m.parameters(recurse=False):
+            owners.setdefault(id(q), type(m).__name__)
+    named = list(model.named_parameters())
+    missing = [(n, owners[id(q)]) for (n, q), g in zip(named, got, strict=True) if g is None]
+    kinds = ", ".join(sorted({kind for _, kind in missing}))
+    return (
+        f"it set `{attr}` on {len(got) - len(missing)} of {len(got)} parameters and ignored "
+        f"those of modules it has no extension for: {kinds} (e.g. {missing[0][0]})"
+    )
 
 
 def _parts(result: Any) -> list[torch.Tensor]:
@@ -255,27 +364,53 @@ class _Runner:
             )
         if self.peers and self.op is None:
             self.notes.append("Opacus is not installed (`pip install opacus`): skipped.")
-        with _quiet():
-            if self.bp is not None:
-                self.bp_model = self.bp.extend(copy.deepcopy(p.model))
-            if self.op is not None:
-                gs = self.op.grad_sample
-                self.gsm = gs.GradSampleModule(copy.deepcopy(p.model), loss_reduction=p.reduction)
-                self.ghost = gs.GradSampleModuleFastGradientClipping(
-                    copy.deepcopy(p.model),
-                    loss_reduction=p.reduction,
-                    max_grad_norm=1.0,
-                    use_ghost_clipping=True,
-                )
+        self.bp_model: Any = None
+        self.gsm: Any = None
+        self.ghost: Any = None
+        if self.bp is not None:
+            self.bp_model = self._wrap("BackPACK", "extend(model)", self.bp.extend)
+        if self.op is not None:
+            gs = self.op.grad_sample
+            self.gsm = self._wrap(
+                "Opacus",
+                f'GradSampleModule(model, loss_reduction="{p.reduction}")',
+                lambda m: gs.GradSampleModule(m, loss_reduction=p.reduction),
+            )
+            self.ghost = self._wrap(
+                "Opacus",
+                "GradSampleModuleFastGradientClipping(model, use_ghost_clipping=True)",
+                lambda m: gs.GradSampleModuleFastGradientClipping(
+                    m, loss_reduction=p.reduction, max_grad_norm=1.0, use_ghost_clipping=True
+                ),
+            )
         params = {k: v.detach() for k, v in p.model.named_parameters()}
 
         def loss_one(ps: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
-            return p.loss_fn(functional_call(p.model, ps, (xi[None],)), yi[None])
+            def f(*args: Any, **kwargs: Any) -> Any:
+                return functional_call(p.model, ps, args, kwargs)
+
+            return p.loss_fn(p.call(f, xi[None]), yi[None])
 
         per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-        self.func_grads: Callable[[], list[torch.Tensor]] = lambda: list(
-            per_example(params, p.x, p.y).values()
-        )
+
+        def func_grads() -> list[torch.Tensor]:
+            with _quiet():  # e.g. vmap's note on ops without a batching rule (attention)
+                return list(per_example(params, p.x, p.y).values())
+
+        self.func_grads: Callable[[], list[torch.Tensor]] = func_grads
+
+    def _wrap(self, peer: str, call: str, wrap: Callable[[nn.Module], Any]) -> Any:
+        """``wrap`` of a deep copy of the model (same weights), or None with a note if it
+        raises: the peer refuses the model there."""
+        try:
+            with _quiet():
+                return wrap(copy.deepcopy(self.problem.model))
+        except Exception as error:  # reported in every case of the model
+            self.notes.append(
+                f"{peer} refuses this model: `{call}` raised {_raised(error)}; its variants "
+                "that need it are left out."
+            )
+            return None
 
     def plain(self) -> None:
         p = self.problem
@@ -299,10 +434,9 @@ class _Runner:
         out["gradkit"] = _Variant(
             f'gradkit.per_example.track(model, "{quantity}"{reduction})', gradkit_fn
         )
-        if self.bp is not None:
+        if self.bp_model is not None:
             out["backpack"] = self._backpack_variant(quantity)
-        if self.op is not None:
-            out.update(self._opacus_variants(quantity))
+        out.update(self._opacus_variants(quantity))
         if self.peers:
             naive = "" if quantity == "batch_grad" else f" + naive {_WORDS[quantity]}"
             out["torch_func"] = _Variant(
@@ -328,7 +462,9 @@ class _Runner:
                 self.bp_model.zero_grad(set_to_none=True)
                 with bp.backpack(ext()):
                     p.loss(self.bp_model).backward()
-            got = [getattr(q, attr) for q in self.bp_model.parameters()]
+            got: list[Any] = [getattr(q, attr, None) for q in self.bp_model.parameters()]
+            if any(g is None for g in got):  # modules it has no extension for: left alone
+                raise RuntimeError(_unset(self.bp_model, attr, got))
             return torch.stack(got).sum(0) if quantity == "batch_l2" else got
 
         def value(r: Any) -> Any:
@@ -343,9 +479,18 @@ class _Runner:
             with _quiet():
                 self.gsm.zero_grad(set_to_none=True)
                 p.loss(self.gsm).backward()
-            return [q.grad_sample for q in self.gsm.parameters()]
+            got = [q.grad_sample for q in self.gsm.parameters()]
+            for name, q, g in zip(self.names, self.gsm.parameters(), got, strict=True):
+                if g is None or g.shape != (p.n, *q.shape):
+                    raise RuntimeError(
+                        f"grad_sample of {name}: expected shape {(p.n, *q.shape)} (one "
+                        f"gradient per example), got {None if g is None else tuple(g.shape)}"
+                    )
+            return got
 
         if quantity == "batch_l2":
+            if self.ghost is None:
+                return {}
 
             def ghost() -> torch.Tensor:
                 with _quiet():
@@ -360,6 +505,8 @@ class _Runner:
                     lambda r: r.square(),
                 )
             }
+        if self.gsm is None:
+            return {}
         naive = "" if quantity == "batch_grad" else f" + naive {_WORDS[quantity]}"
         return {
             "opacus": _Variant(
@@ -375,29 +522,47 @@ def _case(runner: _Runner, quantity: str, grads: list[torch.Tensor], mode: str) 
     ref = _reference(quantity, grads)
     scales = [float(t.abs().max()) or 1.0 for t in _parts(ref)]
 
+    expected = _relative(ref, scales)
+
     def value(v: _Variant) -> Callable[[Any], torch.Tensor]:
         return lambda r: _relative(v.value(r), scales)
 
-    methods = [
-        Method(key, v.label, v.fn, None if key == "plain" else value(v))
-        for key, v in variants.items()
-    ]
-    goal = _GOALS.get((p.key, quantity))
-    targets = [Target(f"gradkit {_WORDS[quantity]} / plain", "gradkit", ("plain",), "<=", goal)]
     notes = [
         "Differences are relative: every parameter's result (the norms: the whole vector) is "
         "divided by the largest magnitude of its reference before comparing. The variance is "
         "compared so too, as its rounding error in float32 scales with the second moment."
     ]
-    notes += runner.notes
+    notes += p.notes + runner.notes
+    goal = _GOALS.get((p.key, quantity))
+    methods = [Method("plain", variants["plain"].label, variants["plain"].fn, None)]
+    for key, v in variants.items():
+        if key == "plain":
+            continue
+        error = _error_of(v.fn)  # one call before the case runs: does the method run at all?
+        if error is None:
+            methods.append(Method(key, v.label, v.fn, value(v)))
+        elif key == "gradkit":
+            methods.append(Method(key, v.label, _guarded(v.fn), _nan_if_failed(value(v), expected)))
+            notes.append(
+                f"gradkit raised {error}. Its result counts as a mismatch (NaN), its time is "
+                f"that until the error, and its goal ({goal}) is not judged."
+            )
+            goal = None
+        else:
+            notes.append(
+                f"{_PEERS[key]} fails on this model here (left out of this case): `{v.label}` "
+                f"raised {error}."
+            )
+    targets = [Target(f"gradkit {_WORDS[quantity]} / plain", "gradkit", ("plain",), "<=", goal)]
     if mode == "quick":
         notes.append(_PEER_SKIP_QUICK)
-    if "backpack" in variants and p.reduction == "mean":
+    kept = {m.key for m in methods}
+    if "backpack" in kept and p.reduction == "mean":
         notes.append(
             "BackPACK gives the statistics of g_i / N under a mean loss; its results are "
             "rescaled to those of g_i outside the timed call."
         )
-    if quantity == "batch_l2" and "opacus" in variants and p.key == "3c3d":
+    if quantity == "batch_l2" and "opacus" in kept and p.key == "3c3d":
         notes.append(
             "Opacus ghost norms cover Linear layers; its conv layers materialize per-example "
             "gradients and take their norms."
@@ -411,7 +576,7 @@ def _case(runner: _Runner, quantity: str, grads: list[torch.Tensor], mode: str) 
         reference=None,
         reference_value=(
             "torch.func vmap(grad) per-example gradients (float32), reduced in float64",
-            _relative(ref, scales),
+            expected,
         ),
         dtype=torch.float32,
         targets=targets,
@@ -421,22 +586,76 @@ def _case(runner: _Runner, quantity: str, grads: list[torch.Tensor], mode: str) 
     )
 
 
-def build_cases(mode: str = "full") -> list[Case]:
-    """All cases (model and data of each model seeded from ``torch.initial_seed()``): full
-    sizes with every installed peer; ``quick`` times plain and gradkit only; ``smoke`` (tests)
-    uses a few examples per batch."""
+def _guarded(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn``, returning None where it raises (a method that failed its first call)."""
+
+    def call() -> Any:
+        try:
+            return fn()
+        except Exception:  # already reported in the case's notes
+            return None
+
+    return call
+
+
+def _nan_if_failed(
+    value: Callable[[Any], torch.Tensor], expected: torch.Tensor
+) -> Callable[[Any], torch.Tensor]:
+    """``value``, or NaN of the reference's shape for a failed call: never agrees."""
+    return lambda r: torch.full_like(expected, float("nan")) if r is None else value(r)
+
+
+_NEEDS = {"gpt2": "transformers"}  # models that need an optional package
+
+
+def build_cases(mode: str = "full", models: Sequence[str] = MODELS) -> list[Case]:
+    """The cases of ``models`` (model and data of each model seeded from
+    ``torch.initial_seed()`` and its place in :data:`MODELS`): full sizes with every
+    installed peer; ``quick`` times plain and gradkit only; ``smoke`` (tests) uses a few
+    examples per batch. A model whose package is not installed is skipped with a note in the
+    other cases; ValueError if no case is left."""
+    unknown = [k for k in models if k not in MODELS]
+    if unknown:
+        raise ValueError(
+            f"per_example.build_cases: models: expected names of {MODELS}, got {unknown}; "
+            "pass some of those names."
+        )
     seed = torch.initial_seed()
-    cases = []
-    for i, key in enumerate(MODELS):
+    cases: list[Case] = []
+    skipped: list[str] = []
+    for key in models:
         batch = _SMOKE_BATCH[key] if mode == "smoke" else None
-        runner = _Runner(_problem(key, seed + i, batch), peers=mode != "quick")
-        if _tracker_outlives_block(runner.problem):
+        try:
+            problem = _problem(key, seed + MODELS.index(key), batch)
+        except ImportError as error:
+            if key not in _NEEDS:
+                raise
+            skipped.append(
+                f"The `{key}` cases are skipped: {_NEEDS[key]} is not installed "
+                f"({type(error).__name__}: {error}; `pip install {_NEEDS[key]}`)."
+            )
+            continue
+        runner = _Runner(problem, peers=mode != "quick")
+        if _leaks(problem):
             runner.notes.append(_LEAK_NOTE)
         grads = runner.func_grads()
-        for quantity in QUANTITIES:
+        for quantity in quantities(key):
             cases.append(_case(runner, quantity, grads, mode))
         del grads
+    if not cases:
+        raise ValueError(f"per_example suite: no case left to run. {' '.join(skipped)}")
+    for case in cases:
+        case.notes.extend(skipped)
     return cases
+
+
+def _leaks(p: _Problem) -> bool:
+    """:func:`_tracker_outlives_block`, False where gradkit raises (its cases report that)."""
+    try:
+        return _tracker_outlives_block(p)
+    except Exception:
+        p.model.zero_grad(set_to_none=True)
+        return False
 
 
 _LEAK_NOTE = (
@@ -492,8 +711,10 @@ def memory_child(argv: list[str]) -> None:
             print(json.dumps({"skipped": True}))
             return
         if variant != "baseline":
-            out = fns[variant].fn()
-            del out
+            error = _error_of(fns[variant].fn)
+            if error is not None:  # the timed cases report it
+                print(json.dumps({"skipped": True, "error": error}))
+                return
     print(json.dumps({"peak_mib": _peak_rss_mib()}))
 
 
@@ -556,7 +777,7 @@ def add_memory(
     """Measure the variance's peak memory per model and attach it to the ``<model>_variance``
     case results: ``memory`` (JSON), a note with a table, and a target for gradkit. Full runs
     measure every variant; quick and smoke runs plain and gradkit, in one process each."""
-    for i, key in enumerate(MODELS):
+    for i, key in enumerate(MODELS):  # the seeds of build_cases
         case = next((c for c in cases if c["key"] == f"{key}_variance"), None)
         if case is None:
             continue

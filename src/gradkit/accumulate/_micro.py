@@ -397,7 +397,10 @@ class Accumulator:
             scale /= count
         check = self.scaler is None and self.skip_nonfinite
         device = grads[0].device
-        if check and all(g.device == device and not g.is_sparse for g in grads):
+        fused = all(
+            g.device == device and not g.is_sparse and g.dtype != torch.float64 for g in grads
+        )  # AMP's kernel takes the scale in float32: float64 gradients are scaled exactly below
+        if check and fused:
             # one fused pass: multiply by `scale` and look for inf/NaN (AMP's own kernel)
             found = torch.zeros(1, device=device)
             inv = torch.full((1,), scale, device=device)

@@ -46,7 +46,7 @@ from gradkit.per_example._layout import call_layout, inner_batch_dim
 from gradkit.per_example._registry import RuleContext, Use, find_rule
 from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
 from gradkit.per_example.rules import vmap_rule
-from gradkit.per_example.rules._thirdparty import register_available
+from gradkit.per_example.rules._thirdparty import register_available, unsplittable
 
 __all__ = ["Tracker", "track"]
 
@@ -70,6 +70,7 @@ class _UseRecord:
         the inputs would leak). A later backward through a retained graph then takes the mean
         from the rule's output instead of the edges."""
         self.edges, self.leaves, self.buffered = {}, {}, {}
+        self.call.output = None  # an expanded output holds the hook that holds this record
         self.from_edges = dict.fromkeys(self.from_edges, False)
 
     def release(self) -> None:
@@ -229,6 +230,18 @@ class Tracker(Mapping[str, ParamStats]):
             own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
             if not own:
                 continue
+            parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+            why = unsplittable(parent, module)
+            if why is not None:
+                raise GradkitError(
+                    message(
+                        call,
+                        "model",
+                        "layers whose gradients can be split by example",
+                        f"{name} ({type(module).__name__}): {why}",
+                        f"freeze it ({name}.requires_grad_(False)) to track the rest",
+                    )
+                )
             rule = find_rule(module)
             if rule is None:
                 # the fallback takes the whole subtree: a module may use its children's

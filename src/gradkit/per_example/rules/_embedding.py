@@ -27,9 +27,16 @@ from gradkit.per_example._stats import acc_dtype
 
 
 class EmbeddingGrad(PerExampleGrad):
-    """Per-example embedding gradients as sparse rows ``(example, row, value)``."""
+    """Per-example embedding gradients as sparse rows ``(example, row, value)``.
+
+    ``tokens`` keeps the lookups ``(idx [N, S], grads [N, S, d])`` they were summed from (for the
+    norms of a weight tied to an output layer), None where they are not kept.
+    """
+
+    tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, idx: torch.Tensor, grads: torch.Tensor, num_rows: int) -> None:
+        self.tokens = (idx, grads)
         n, _, d = grads.shape
         self.num_examples, self.shape = n, torch.Size((num_rows, d))
         keys = idx + torch.arange(n, device=idx.device)[:, None] * num_rows  # [N, T]
@@ -47,12 +54,17 @@ class EmbeddingGrad(PerExampleGrad):
             0, self.example, self.rows.square().sum(1)
         )
 
+    def scatter_into(self, block: torch.Tensor, start: int, stop: int) -> None:
+        """Add examples ``start..stop`` into ``block`` (``[stop - start, *shape]``), in place."""
+        sel = (self.example >= start) & (self.example < stop)
+        rows = self.rows[sel].to(block.dtype)
+        block.index_put_((self.example[sel] - start, self.row[sel]), rows, accumulate=True)
+
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.num_examples, size):
             stop = min(start + size, self.num_examples)
-            sel = (self.example >= start) & (self.example < stop)
             block = self.rows.new_zeros(stop - start, *self.shape)
-            block[self.example[sel] - start, self.row[sel]] = self.rows[sel]
+            self.scatter_into(block, start, stop)
             yield block
 
 

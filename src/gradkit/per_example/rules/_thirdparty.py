@@ -23,9 +23,10 @@ sum of terms that are each in the parameter's layout.
 
 BART's ``BartScaledWordEmbedding`` (``y = c * E[idx]``) and ``BartLearnedPositionalEmbedding``
 (rows ``offset + position``, whatever ids it is given) subclass ``nn.Embedding`` but change what
-its forward computes, so the ``nn.Embedding`` rule they would inherit along the MRO is wrong for
-them (the gradient misses ``c``; the looked-up rows are not the first argument). Their rules
-rebuild the scale and the indices and then use the embedding rule.
+its forward computes: the ``nn.Embedding`` rule would be wrong for them (the gradient misses
+``c``; the looked-up rows are not the first argument), so they inherit none and would take the
+exact but slow fallback, which materializes ``[N, V, d]``. Their rules rebuild the scale and the
+indices and then use the embedding rule (sparse rows).
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def scaled_embedding_rule(
 ) -> dict[str, PerExampleGrad]:
     """Per-example gradients of BART's ``BartScaledWordEmbedding``: ``y = c * E[idx]``.
 
-    ``g_n[v] = c * sum_{t: idx[n, t] = v} G[n, t]``: the embedding rule on ``c * G`` (the rule
-    of ``nn.Embedding``, found along the MRO, would drop ``c = embed_scale``).
+    ``g_n[v] = c * sum_{t: idx[n, t] = v} G[n, t]``: the embedding rule on ``c * G``, with
+    ``c = embed_scale``.
 
     Examples:
         >>> import torch
@@ -246,3 +247,25 @@ def register_available() -> None:
             logger.debug("per_example: no rules for %s (%s)", name, err)
             continue
         _DONE.add(name)
+
+
+def unsplittable(parent: nn.Module | None, module: nn.Module) -> str | None:
+    """Why the gradient of ``module`` (a child of ``parent``) cannot be split by example, for
+    known architectures whose layer looks batched by its shapes but is not; None otherwise.
+
+    T5 and its relatives (``has_relative_attention_bias``) look the relative position bias up on
+    ``[q, k]`` buckets shared by all examples, permute it to ``[1, heads, q, k]`` and add it to
+    every example's scores: its output has no batch dimension, and when ``q`` equals the number
+    of examples its shape would pass for a batch.
+    """
+    if (
+        parent is not None
+        and getattr(parent, "has_relative_attention_bias", False)
+        and getattr(parent, "relative_attention_bias", None) is module
+    ):
+        return (
+            f"{type(parent).__name__}.relative_attention_bias is looked up on [q, k] relative "
+            "position buckets shared by every example and broadcast over the batch after a "
+            "permutation, so its gradient arrives summed over the examples and cannot be split"
+        )
+    return None
