@@ -457,3 +457,30 @@ def test_tracker_of_a_broadcast_model_is_freed(backward: bool) -> None:
     del stats, out
     gc.collect()
     assert ref() is None
+
+
+class TiedLM(nn.Module):
+    """A tied embedding and output layer with a vocabulary large enough for the Gram-form
+    norms of the output layer (the norms' cross term between the two uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 40, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.emb(idx))))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_tied_embedding_norms_by_the_cross_term(reduction: str) -> None:
+    model = TiedLM().double()
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 40, (5, 4), generator=g)
+    idx[:, 1] = idx[:, 0]  # a repeated token
+    y = torch.randn(5, 4, 40, generator=g, dtype=D)
+    case = Case("tied", TiedLM, lambda n: (idx, y), lambda m, b, r: sq(m(b[0][r]), b[1][r]))
+    ref = loop_oracle(case, model, (idx, y), 5)
+    compare(tracked(case, model, (idx, y), [2, 3], reduction), ref, rtol=1e-10, atol=1e-12)

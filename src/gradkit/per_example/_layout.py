@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradkit._errors import GradkitError
 
-__all__ = ["CallLayout", "call_layout", "inner_batch_dim"]
+__all__ = ["CallLayout", "call_layout", "inner_batch_dims"]
 
 
 @dataclass
@@ -147,13 +147,16 @@ def _block_batch_first(module: nn.Module) -> bool | None:
     return None
 
 
-def inner_batch_dim(model: nn.Module, name: str, batch_dim: int) -> int:
-    """The batch dimension of the tensors module ``name`` of ``model`` sees: set by the
-    nearest enclosing torch.nn transformer block, else ``batch_dim``."""
-    parts = name.split(".") if name else []
-    for k in range(len(parts), -1, -1):
-        owner = model.get_submodule(".".join(parts[:k]))
-        first = _block_batch_first(owner)
+def inner_batch_dims(modules: dict[str, nn.Module], batch_dim: int) -> dict[str, int]:
+    """The batch dimension of the tensors each module (by name, as ``named_modules()``) sees:
+    set by the nearest enclosing torch.nn transformer block, else ``batch_dim``."""
+    dims: dict[str, int] = {}
+    for name, module in modules.items():  # parents come before their children
+        first = _block_batch_first(module)
         if first is not None:
-            return 0 if first else 1
-    return batch_dim
+            dims[name] = 0 if first else 1
+        elif name:
+            dims[name] = dims.get(name.rpartition(".")[0], batch_dim)
+        else:
+            dims[name] = batch_dim
+    return dims

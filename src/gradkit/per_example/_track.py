@@ -41,10 +41,11 @@ from gradkit._errors import GradkitError, message
 from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
 from gradkit.per_example._batch import Call, Dims, ModelCall, split_call
-from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
-from gradkit.per_example._layout import call_layout, inner_batch_dim
+from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._layout import call_layout, inner_batch_dims
 from gradkit.per_example._registry import RuleContext, Use, find_rule
 from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
+from gradkit.per_example._sum import combine
 from gradkit.per_example.rules import vmap_rule
 from gradkit.per_example.rules._thirdparty import register_available, unsplittable
 
@@ -141,20 +142,6 @@ def _will_execute(node: Node) -> bool:
     return True if check is None else bool(check(node))
 
 
-class _Sum(PerExampleGrad):
-    """The per-example sum of several :class:`PerExampleGrad` of one parameter (a parameter
-    shared by several modules)."""
-
-    def __init__(self, parts: list[PerExampleGrad]) -> None:
-        self.parts = parts
-        self.num_examples = parts[0].num_examples
-        self.shape = parts[0].shape
-
-    def chunks(self, size: int) -> Iterator[torch.Tensor]:
-        for blocks in zip(*(p.chunks(size) for p in self.parts), strict=True):
-            yield torch.stack([b.to(blocks[0].dtype) for b in blocks]).sum(0)
-
-
 class Tracker(Mapping[str, ParamStats]):
     """The statistics of one ``track`` block: a mapping from parameter name to
     :class:`ParamStats`, plus totals over parameters. Created by :func:`track`."""
@@ -224,13 +211,15 @@ class Tracker(Mapping[str, ParamStats]):
         register_available()  # rules for third-party layers whose library the user imported
         owners: dict[int, int] = {}
         claimed: list[str] = []  # subtrees a fallback module differentiates as a whole
-        for name, module in model.named_modules():
+        modules = dict(model.named_modules())
+        dims = inner_batch_dims(modules, batch_dim)
+        for name, module in modules.items():
             if any(c == "" or name == c or name.startswith(c + ".") for c in claimed):
                 continue
             own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
             if not own:
                 continue
-            parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+            parent = modules[name.rpartition(".")[0]] if name else None
             why = unsplittable(parent, module)
             if why is not None:
                 raise GradkitError(
@@ -269,8 +258,7 @@ class Tracker(Mapping[str, ParamStats]):
                     )
                 rule = vmap_rule
             pids = {n: id(p) for n, p in own.items()}
-            dim = inner_batch_dim(model, name, batch_dim)
-            self._states.append(_ModuleState(name, module, rule, own, pids, dim))
+            self._states.append(_ModuleState(name, module, rule, own, pids, dims[name]))
             for pid in pids.values():
                 owners[pid] = owners.get(pid, 0) + 1
                 param = self._params[pid]
@@ -379,16 +367,18 @@ class Tracker(Mapping[str, ParamStats]):
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 if call.mode == "unbatched":
                     self._reshaped.append(f"{st.name or 'model'} ({type(module).__name__})")
-            stops = {
-                a.grad_fn
-                for a in tree_flatten((args, kwargs))[0]
-                if isinstance(a, torch.Tensor) and a.grad_fn is not None
-            }
-            targets = {}
-            for local, p in st.params.items():
-                if p.is_leaf:
-                    targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
-            edges = _param_edges([t.grad_fn for t in live], stops, targets)
+            edges: dict[int, list[tuple[Node, int]]] = {}
+            targets: dict[Node, int] = {}
+            if self._want.mean:  # the mean is read at the edges into the parameters
+                stops = {
+                    a.grad_fn
+                    for a in tree_flatten((args, kwargs))[0]
+                    if isinstance(a, torch.Tensor) and a.grad_fn is not None
+                }
+                for local, p in st.params.items():
+                    if p.is_leaf:
+                        targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
+                edges = _param_edges([t.grad_fn for t in live], stops, targets)
             record = _UseRecord(call, edges, {pid: nd for nd, pid in targets.items()})
             self._records.append(record)
             st.forward_count += 1
@@ -563,7 +553,7 @@ class Tracker(Mapping[str, ParamStats]):
                 record.release_graph()
         self._records = [r for r in self._records if id(r) not in done]
         for pid, parts in deferred.items():
-            pe = parts[0][0] if len(parts) == 1 else _combine([p for p, _, _ in parts])
+            pe = parts[0][0] if len(parts) == 1 else combine([p for p, _, _ in parts])
             given = all(g for _, g, _ in parts)
             self._accumulate(pid, pe, given, parts[0][2])
 
@@ -614,20 +604,6 @@ class Tracker(Mapping[str, ParamStats]):
         from gradkit.per_example._derived import summary_table
 
         return summary_table(self)
-
-
-def _combine(parts: list[PerExampleGrad]) -> PerExampleGrad:
-    if all(isinstance(p, OuterProduct) for p in parts):
-        ops = [p for p in parts if isinstance(p, OuterProduct)]
-        first = ops[0]
-        if all(o.groups == first.groups and o.i == first.i and o.o == first.o for o in ops):
-            return OuterProduct(
-                torch.cat([o.A for o in ops], 1), torch.cat([o.G for o in ops], 1), first.shape
-            )
-    mats = [p for p in parts if isinstance(p, Materialized)]
-    if len(mats) == len(parts):
-        return Materialized(torch.stack([m.grads for m in mats]).sum(0), owned=True)
-    return _Sum(parts)
 
 
 def _refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
