@@ -197,6 +197,24 @@ class Latents(nn.Module):
         return torch.tanh(self.q(self.latents) * self.k(x))
 
 
+class PatchEmbed(nn.Module):
+    """ViT's embeddings: a projection child and a class token and positions used directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.pos = nn.Parameter(torch.randn(1, 6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.proj(x)], 1)
+        return tokens + self.pos
+
+
+def vit() -> nn.Module:
+    return nn.Sequential(PatchEmbed(), nn.LayerNorm(8), nn.Linear(8, 8))
+
+
 def ids_batch(n: int) -> Any:
     g = torch.Generator().manual_seed(n)
     return torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g, dtype=D)
@@ -273,6 +291,12 @@ CASES += [
         lambda m, b, r: sq(m(b[0][r]), b[1][r]),
     ),
     Case("parameter_in_forward", PosParam, seq_batch(), lambda m, b, r: sq(m(b[0][r]), b[1][r])),
+    Case(
+        "vit_embeddings_params_in_forward",
+        vit,
+        lambda n: (seq_batch()(n)[0], torch.randn(n, 6, 8, dtype=D)),
+        lambda m, b, r: sq(m(b[0][r]), b[1][r]),
+    ),
     Case("learned_latents_1xT", Latents, seq_batch(), lambda m, b, r: sq(m(b[0][r]), b[1][r])),
 ]
 

@@ -198,4 +198,6 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
                 else [t + g for t, g in zip(totals, grads, strict=True)]
             )
     assert totals is not None
-    return {k: Materialized(t, owned=True) for k, t in zip(names, totals, strict=True)}
+    # not owned: a vjp may return views of the cotangent (autograd's own gradient) or of
+    # another parameter's gradient (a class token sliced from the positions' gradient)
+    return {k: Materialized(t) for k, t in zip(names, totals, strict=True)}
