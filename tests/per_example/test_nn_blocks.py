@@ -215,6 +215,33 @@ def vit() -> nn.Module:
     return nn.Sequential(PatchEmbed(), nn.LayerNorm(8), nn.Linear(8, 8))
 
 
+class Block(nn.Module):
+    """A residual block: conv-GroupNorm-ReLU-conv-GroupNorm plus a strided 1x1 shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = nn.GroupNorm(2, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = nn.GroupNorm(2, cout)
+        self.short = nn.Conv2d(cin, cout, 1, stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(self.norm2(self.conv2(h)) + self.short(x))
+
+
+def resnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        Block(4, 4, 1),
+        Block(4, 8, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+
+
 def ids_batch(n: int) -> Any:
     g = torch.Generator().manual_seed(n)
     return torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g, dtype=D)
@@ -295,6 +322,12 @@ CASES += [
         "vit_embeddings_params_in_forward",
         vit,
         lambda n: (seq_batch()(n)[0], torch.randn(n, 6, 8, dtype=D)),
+        lambda m, b, r: sq(m(b[0][r]), b[1][r]),
+    ),
+    Case(
+        "resnet_groupnorm",
+        resnet,
+        lambda n: (torch.randn(n, 3, 8, 8, dtype=D), torch.randn(n, 3, dtype=D)),
         lambda m, b, r: sq(m(b[0][r]), b[1][r]),
     ),
     Case("learned_latents_1xT", Latents, seq_batch(), lambda m, b, r: sq(m(b[0][r]), b[1][r])),
