@@ -49,3 +49,12 @@ def test_gradient_penalty_reaches_parameters_through_input_gradient():
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
 def test_every_example_has_a_main(path):
     assert "def main(" in path.read_text()
+
+
+def test_gpt2_noise_scale_tracks_every_example(capsys):
+    pytest.importorskip("transformers")
+    out = load("gpt2_noise_scale").main(["--steps", "6", "--every", "3", "--batch", "8"])
+    assert len(out["history"]) == 2
+    assert all(row["noise_scale"] > 0 for row in out["history"])
+    assert all(row["positions_examples"] == 8 for row in out["history"])  # not the broadcast 1
+    assert "noise scale" in capsys.readouterr().out
