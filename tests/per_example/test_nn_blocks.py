@@ -23,6 +23,8 @@ from gradkit import GradkitError
 from gradkit.per_example import track
 from gradkit.testing import assert_close
 
+from ._grads_check import same_grads
+
 D = torch.float64
 QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
 
@@ -330,6 +332,12 @@ CASES += [
         lambda n: (torch.randn(n, 3, 8, 8, dtype=D), torch.randn(n, 3, dtype=D)),
         lambda m, b, r: sq(m(b[0][r]), b[1][r]),
     ),
+    Case(
+        "sequence_linear_inplace_relu",
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)),
+        seq_batch(),
+        lambda m, b, r: sq(m(b[0][r]), b[1][r]),
+    ),
     Case("learned_latents_1xT", Latents, seq_batch(), lambda m, b, r: sq(m(b[0][r]), b[1][r])),
 ]
 
@@ -359,7 +367,7 @@ def test_float32_agrees_and_grad_untouched(case: Case) -> None:
     plain = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
     stats = tracked(case, model, batch, [4], "mean")
-    assert all(torch.equal(p.grad, plain[k]) for k, p in model.named_parameters())
+    assert same_grads({k: p.grad for k, p in model.named_parameters()}, plain) == []
     compare(stats, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -541,3 +549,33 @@ def test_tied_embedding_norms_by_the_cross_term(reduction: str) -> None:
     case = Case("tied", TiedLM, lambda n: (idx, y), lambda m, b, r: sq(m(b[0][r]), b[1][r]))
     ref = loop_oracle(case, model, (idx, y), 5)
     compare(tracked(case, model, (idx, y), [2, 3], reduction), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_sequence_linear_weight_gradient_is_summed_from_the_statistics() -> None:
+    """fuse=True: the layer's output goes through LinearWithSums (no second product)."""
+    model = nn.Linear(8, 3).double()
+    x = torch.randn(4, 5, 8, dtype=D)
+    with track(model, "variance"):
+        assert type(model(x).grad_fn).__name__ == "LinearWithSumsBackward"
+    with track(model, "variance", fuse=False):
+        assert type(model(x).grad_fn).__name__ != "LinearWithSumsBackward"
+    with track(model, "batch_l2"):  # Gram-form norms materialize nothing: autograd's product
+        assert type(model(x).grad_fn).__name__ != "LinearWithSumsBackward"
+
+
+def test_double_backward_through_a_fused_layer() -> None:
+    """A gradient penalty (create_graph) through a tracked sequence Linear: the weight's
+    gradient is multiplied (differentiable), and the second derivative is autograd's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = torch.randn(3, 5, 8, dtype=D)
+
+    def penalty() -> torch.Tensor:
+        out = model(x).sum()
+        (gw,) = torch.autograd.grad(out, [model[0].weight], create_graph=True)
+        return gw.square().sum()
+
+    want = torch.autograd.grad(penalty(), [model[2].weight])[0]
+    with track(model, "variance"):
+        got = torch.autograd.grad(penalty(), [model[2].weight])[0]
+    assert_close(got, want, rtol=1e-12, atol=1e-14)

@@ -9,6 +9,7 @@ import torch
 import gradkit
 from gradkit.testing import assert_close, per_example_grads
 
+from ._grads_check import same_grads
 from .settings import SETTINGS, Setting
 
 QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
@@ -95,5 +96,17 @@ def test_grad_is_untouched(setting):
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     with gradkit.per_example.track(model, "variance", "batch_l2"):
+        setting.loss_fn(model(x), y).mean().backward()
+    assert same_grads({n: p.grad for n, p in model.named_parameters()}, plain) == []
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
+def test_grad_is_bitwise_without_fusion(setting):
+    model = setting.module_fn().double()
+    x, y = setting.input_fn(4, torch.Generator().manual_seed(2))
+    setting.loss_fn(model(x), y).mean().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with gradkit.per_example.track(model, "variance", "batch_grad", fuse=False):
         setting.loss_fn(model(x), y).mean().backward()
     assert all(torch.equal(p.grad, plain[n]) for n, p in model.named_parameters())

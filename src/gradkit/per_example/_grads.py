@@ -18,7 +18,7 @@ use of a shared layer), ``g`` group, ``o`` output feature, ``i`` input feature.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,6 +41,8 @@ class PerExampleGrad:
     shape: torch.Size
     owned: bool = True
     """Whether the blocks :meth:`chunks` yields are fresh tensors (scaled in place)."""
+    on_block: Callable[[torch.Tensor], None] | None = None
+    """Called with every block :meth:`chunks` yields to the statistics, before they use it."""
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""

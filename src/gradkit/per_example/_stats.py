@@ -100,6 +100,8 @@ def accumulate(
         chunk_size = max(chunk_size, pe.num_examples)
     if remaining or need_l2 or keep:
         for block in pe.chunks(chunk_size):
+            if pe.on_block is not None:
+                pe.on_block(block)
             g = block.to(acc.dtype)  # fresh blocks are scaled and squared in place
             if g is block and not pe.owned:
                 g = g.clone()

@@ -15,9 +15,10 @@ How it works, once per tracked module (a module with parameters of its own that 
    per example before any power is taken.
 3. At the end of the backward pass (an engine callback) whatever is still pending is processed.
 
-Nothing is set on the model; ``p.grad`` is exactly what it would be without tracking. The hooks
-are removed on exit, also when the body raises; captured activations live in the graph's hook
-closures and are freed with the graph.
+Nothing is set on the model; ``p.grad`` is what it would be without tracking (bit-for-bit,
+except the weights of Linear layers on sequences, summed from their per-example gradients: see
+``fuse``). The hooks are removed on exit, also when the body raises; captured activations live
+in the graph's hook closures and are freed with the graph.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradkit._errors import GradkitError, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
 from gradkit.per_example._batch import Call, Dims, ModelCall, split_call
+from gradkit.per_example._fused import LinearWithSums, WeightSum
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._layout import call_layout, inner_batch_dims
 from gradkit.per_example._registry import RuleContext, Use, find_rule
@@ -59,6 +61,7 @@ _DEFAULT_MAX_MEMORY = 256 * 2**20
 @dataclass
 class _UseRecord:
     call: Call
+    sums: WeightSum | None  # the weight gradient summed from the statistics' blocks
     edges: dict[int, list[tuple[Node, int]]]  # pid -> edges into the parameter
     leaves: dict[int, Node]  # pid -> the parameter's gradient accumulator
     buffered: dict[int, torch.Tensor] = field(default_factory=dict)  # edge sums before deciding
@@ -72,6 +75,7 @@ class _UseRecord:
         from the rule's output instead of the edges."""
         self.edges, self.leaves, self.buffered = {}, {}, {}
         self.call.output = None  # an expanded output holds the hook that holds this record
+        self.sums = None
         self.from_edges = dict.fromkeys(self.from_edges, False)
 
     def release(self) -> None:
@@ -87,7 +91,8 @@ class _ModuleState:
     rule: Any
     params: dict[str, torch.Tensor]  # local name -> parameter
     pids: dict[str, int]  # local name -> id(parameter)
-    batch_dim: int  # of its inputs and outputs (see inner_batch_dim)
+    batch_dim: int  # of its inputs and outputs (see inner_batch_dims)
+    transposed: bool | None = None  # a weight whose gradient LinearWithSums may sum (layout)
     shared: bool = False
     forward_count: int = 0
     pending: list[tuple[_UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
@@ -158,6 +163,7 @@ class Tracker(Mapping[str, ParamStats]):
         unbiased: bool,
         max_memory: int,
         chunk_size: int | None,
+        fuse: bool = True,
     ) -> None:
         call = "per_example.track(model, ...)"
         check_module(model, call, "pass the model whose parameters to track")
@@ -198,6 +204,9 @@ class Tracker(Mapping[str, ParamStats]):
                     "pass the index of the batch dimension",
                 )
             )
+        if not isinstance(fuse, bool):
+            raise TypeError(message(call, "fuse", "True or False", describe(fuse), "pass a bool"))
+        self._fuse = fuse
         self._want = Want(frozenset(quantities), tuple(sorted(set(moments))))
         self._batch_dim = batch_dim
         self._unbiased = unbiased
@@ -258,7 +267,10 @@ class Tracker(Mapping[str, ParamStats]):
                     )
                 rule = vmap_rule
             pids = {n: id(p) for n, p in own.items()}
-            self._states.append(_ModuleState(name, module, rule, own, pids, dims[name]))
+            transposed = getattr(rule, "weight_layout_transposed", None)
+            if own.get("weight") is not getattr(module, "weight", None):
+                transposed = None  # a parametrized weight: autograd's own product
+            self._states.append(_ModuleState(name, module, rule, own, pids, dims[name], transposed))
             for pid in pids.values():
                 owners[pid] = owners.get(pid, 0) + 1
                 param = self._params[pid]
@@ -361,8 +373,16 @@ class Tracker(Mapping[str, ParamStats]):
                 batch_dim=st.batch_dim,
                 batch_first=st.rule is not vmap_rule,
             )
-            if call.output is not None:
-                output = call.output
+            replacement = call.output
+            if call.mode == "batched" and self._fusable(st, args, output):
+                sums = WeightSum()
+                replacement = LinearWithSums.apply(
+                    args[0], module.weight, module.bias, output.detach(), sums, st.transposed
+                )
+            else:
+                sums = None
+            if replacement is not None:
+                output = replacement
                 leaves = tree_flatten(output)[0]
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 if call.mode == "unbatched":
@@ -379,7 +399,7 @@ class Tracker(Mapping[str, ParamStats]):
                     if p.is_leaf:
                         targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
                 edges = _param_edges([t.grad_fn for t in live], stops, targets)
-            record = _UseRecord(call, edges, {pid: nd for nd, pid in targets.items()})
+            record = _UseRecord(call, sums, edges, {pid: nd for nd, pid in targets.items()})
             self._records.append(record)
             st.forward_count += 1
             if isinstance(output, torch.Tensor):
@@ -399,9 +419,22 @@ class Tracker(Mapping[str, ParamStats]):
                         by_node.setdefault(node, []).append((k, pid))
                 for node, ks in by_node.items():
                     node.register_hook(self._edge_hook(record, ks))
-            return call.output
+            return replacement
 
         return hook
+
+    def _fusable(self, st: _ModuleState, args: tuple[Any, ...], output: Any) -> bool:
+        """Whether this call's weight gradient can be summed from the per-example gradients
+        the statistics will materialize (a Linear on sequences, see :mod:`._fused`)."""
+        if not self._fuse or st.transposed is None or st.shared or st.batch_dim != 0:
+            return False
+        if not (self._want.powers or "batch_grad" in self._want.quantities):
+            return False
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            return False
+        positions = x.numel() // max(1, x.shape[0] * x.shape[-1]) if x.dim() >= 2 else 0
+        return positions > 1 and output.requires_grad and torch.is_grad_enabled()
 
     def _scale(self, n: int) -> float:
         return float(n) if self._loss_reduction == "mean" else 1.0
@@ -491,6 +524,9 @@ class Tracker(Mapping[str, ParamStats]):
             pes = st.rule(st.module, uses, RuleContext(st.params))
         finally:
             self._in_rule = False
+        record = pending[0][0]
+        if len(pending) == 1 and record.sums is not None and "weight" in pes:
+            pes["weight"].on_block = record.sums.add  # the layer's backward sums them
         for local, p in st.params.items():
             pid = st.pids[local]
             pe = pes.get(local)
@@ -628,6 +664,7 @@ def track(
     unbiased: bool = False,
     max_memory: int = _DEFAULT_MAX_MEMORY,
     chunk_size: int | None = None,
+    fuse: bool = True,
 ) -> Tracker:
     r"""Track statistics of the individual gradients of ``model``'s parameters.
 
@@ -647,12 +684,23 @@ def track(
         moments: further powers ``p`` for ``stats[name].moment(p)``.
         loss_reduction: how the loss of each backward combined the ``l_i``: ``"mean"`` over the
             examples of that backward, or ``"sum"``.
-        batch_dim: the batch dimension of inputs and outputs.
+        batch_dim: the batch dimension of the model's inputs and of its layers' inputs and
+            outputs. Layers with a documented layout use theirs instead (``batch_first`` of
+            RNNs and attention, the RNN state ``[layers * directions, N, H]``, the layers of a
+            ``nn.TransformerEncoderLayer``); the number of examples ``N`` is that of the
+            model's first input, and a layer whose output broadcasts over the batch (position
+            ids ``[1, T]``) is split by it. See ``docs/per_example.md``.
         fallback: for modules without a rule: ``"vmap"`` (exact, per-module vmap of a
             vector-Jacobian product), ``"warn"`` (the same, with a warning), ``"error"``.
         unbiased: ``variance`` scaled by ``N/(N-1)``.
         max_memory: bytes a materialized block of per-example gradients may take.
         chunk_size: examples per materialized block (overrides ``max_memory``).
+        fuse: where a quantity needs the per-example gradients of a Linear (or Hugging Face
+            ``Conv1D``) on sequences anyway (variance, second moment, moments, batch_grad),
+            take that weight's gradient as their sum instead of multiplying again (about
+            one product per such layer saved). ``p.grad`` of those weights then equals an
+            untracked backward's up to float rounding (a sum over examples instead of one
+            product); ``fuse=False`` keeps every ``p.grad`` bit-for-bit.
 
     Returns:
         A :class:`Tracker`; ``stats[name]`` gives :class:`ParamStats`.
@@ -672,7 +720,9 @@ def track(
         ``loss_reduction`` must say what the loss did: a ``"mean"`` loss declared as ``"sum"``
         gives statistics of ``g_i / N``. All forward calls of a module between two backward
         passes are taken as uses on the same examples (weight tying): run backward after each
-        micro-batch's forward.
+        micro-batch's forward. A layer that cannot be split by example (one that sees the
+        examples reshaped, ``[N * T, d]``; T5's relative attention bias) raises a
+        :class:`GradkitError` rather than return statistics of another number of examples.
     """
     return Tracker(
         model,
@@ -684,4 +734,5 @@ def track(
         unbiased=unbiased,
         max_memory=max_memory,
         chunk_size=chunk_size,
+        fuse=fuse,
     )

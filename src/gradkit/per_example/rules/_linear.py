@@ -29,3 +29,6 @@ def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     if "bias" in ctx.params:
         out["bias"] = Materialized(g.sum(1), owned=True)
     return out
+
+
+linear_rule.weight_layout_transposed = False  # type: ignore[attr-defined]  # see _fused

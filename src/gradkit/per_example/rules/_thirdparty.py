@@ -101,6 +101,9 @@ def conv1d_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     return out
 
 
+conv1d_rule.weight_layout_transposed = True  # type: ignore[attr-defined]  # see _fused
+
+
 def _scaled(module: nn.Module) -> float:
     scale = getattr(module, "embed_scale", 1.0)
     return float(scale if scale is not None else 1.0)
