@@ -89,24 +89,18 @@ def test_tiny_chunks_equal_unchunked(setting):
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
-def test_grad_is_untouched(setting):
+@pytest.mark.parametrize("fuse", [True, False])
+def test_grad_is_untouched(setting, fuse):
+    """Bit-for-bit, except (fuse=True) the weights summed from their per-example gradients."""
     model = setting.module_fn().double()
     x, y = setting.input_fn(4, torch.Generator().manual_seed(2))
     setting.loss_fn(model(x), y).mean().backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    with gradkit.per_example.track(model, "variance", "batch_l2"):
+    with gradkit.per_example.track(model, "variance", "batch_l2", "batch_grad", fuse=fuse):
         setting.loss_fn(model(x), y).mean().backward()
-    assert same_grads({n: p.grad for n, p in model.named_parameters()}, plain) == []
-
-
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
-def test_grad_is_bitwise_without_fusion(setting):
-    model = setting.module_fn().double()
-    x, y = setting.input_fn(4, torch.Generator().manual_seed(2))
-    setting.loss_fn(model(x), y).mean().backward()
-    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    with gradkit.per_example.track(model, "variance", "batch_grad", fuse=False):
-        setting.loss_fn(model(x), y).mean().backward()
-    assert all(torch.equal(p.grad, plain[n]) for n, p in model.named_parameters())
+    got = {n: p.grad for n, p in model.named_parameters()}
+    if fuse:
+        assert same_grads(got, plain) == []
+    else:
+        assert all(torch.equal(got[n], plain[n]) for n in plain)

@@ -14,9 +14,12 @@ from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import acc_dtype
 
 
-@register_rule(nn.Linear)
-def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
-    """Per-example gradients of ``nn.Linear`` (see the module docstring)."""
+def affine_rule(
+    uses: list[Use], ctx: RuleContext, *, transposed: bool
+) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``z = a W^T + b`` (``W [o, i]``), or of ``z = a W + b`` with
+    ``transposed`` (``W [i, o]``: Hugging Face's ``Conv1D``, the outer product's factors
+    exchanged so that its ``[o', i']`` layout is the weight's own)."""
     n = uses[0].grad_output.shape[0]
     d_in = uses[0].inputs[0].shape[-1]
     d_out = uses[0].grad_output.shape[-1]
@@ -25,10 +28,19 @@ def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     g = cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]).to(dtype)
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
-        out["weight"] = OuterProduct(a[:, :, None], g[:, :, None], ctx.params["weight"].shape)
+        left, right = (g, a) if transposed else (a, g)
+        out["weight"] = OuterProduct(
+            left[:, :, None], right[:, :, None], ctx.params["weight"].shape
+        )
     if "bias" in ctx.params:
         out["bias"] = Materialized(g.sum(1), owned=True)
     return out
+
+
+@register_rule(nn.Linear)
+def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of ``nn.Linear`` (see the module docstring)."""
+    return affine_rule(uses, ctx, transposed=False)
 
 
 linear_rule.weight_layout_transposed = False  # type: ignore[attr-defined]  # see _fused

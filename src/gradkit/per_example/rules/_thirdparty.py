@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
+from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._registry import Rule, RuleContext, Use, register_rule, registered_rules
-from gradkit.per_example._stats import acc_dtype
 from gradkit.per_example.rules._embedding import embedding_rule
+from gradkit.per_example.rules._linear import affine_rule
 
 __all__ = [
     "conv1d_rule",
@@ -86,19 +86,7 @@ def conv1d_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
         >>> w.shape, torch.allclose(w, torch.einsum("nti,nto->nio", x, g))
         (torch.Size([4, 3, 2]), True)
     """
-    n = uses[0].grad_output.shape[0]
-    d_in = uses[0].inputs[0].shape[-1]
-    d_out = uses[0].grad_output.shape[-1]
-    dtype = acc_dtype(uses[0].grad_output.dtype)
-    a = cat_positions([u.inputs[0].reshape(n, -1, d_in) for u in uses]).to(dtype)
-    g = cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]).to(dtype)
-    out: dict[str, PerExampleGrad] = {}
-    if "weight" in ctx.params:
-        # factors exchanged: OuterProduct's [o', i'] layout is then [i, o], the weight's own
-        out["weight"] = OuterProduct(g[:, :, None], a[:, :, None], ctx.params["weight"].shape)
-    if "bias" in ctx.params:
-        out["bias"] = Materialized(g.sum(1))
-    return out
+    return affine_rule(uses, ctx, transposed=True)
 
 
 conv1d_rule.weight_layout_transposed = True  # type: ignore[attr-defined]  # see _fused
