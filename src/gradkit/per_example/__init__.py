@@ -3,7 +3,10 @@
 * :func:`track` (context manager) -> :class:`Tracker` -> :class:`ParamStats` per parameter:
   mean, second moment, variance, p-th moments, per-example squared norms and gradients;
 * per-layer rules (:func:`register_rule`, looked up along the MRO) for Linear (any leading
-  dims), Conv1d/2d/3d, Embedding, LayerNorm, GroupNorm, RMSNorm; a vmap fallback for the rest;
+  dims), Conv1d/2d/3d, Embedding, EmbeddingBag, LayerNorm, GroupNorm, RMSNorm, and, once
+  ``transformers`` is imported, its Conv1D and BART's embeddings; a vmap fallback for the rest
+  that re-runs each example in the module's own layout (RNNs, attention, packed sequences);
+* :func:`replace_batchnorm`: BatchNorm -> GroupNorm, for models whose BatchNorm mixes examples;
 * derived quantities: :func:`noise_scale`, :func:`gradient_snr`, :func:`cabs_batch_size`.
 """
 
