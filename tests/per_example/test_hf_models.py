@@ -488,3 +488,16 @@ def test_t5_relative_bias_exact_or_refused(
         assert "relative_attention_bias" in str(err)
         return
     assert mismatches(stats, ref, rtol=1e-10, floor=1e-4) == []
+
+
+@pytest.mark.parametrize("case_id", ["gpt2", "llama"])
+def test_gradient_checkpointing(case_id: str) -> None:
+    """Activation checkpointing (the forward re-run inside the backward) changes nothing: the
+    re-run layers are not counted as new uses."""
+    case = MODELS[case_id]
+    model = build(case)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+    stats = run_tracked(case, model, "sum", (3, 2))
+    ref = {k: g[:5] for k, g in oracle(case_id).items()}
+    assert mismatches(stats, ref, rtol=1e-10, floor=1e-4) == []

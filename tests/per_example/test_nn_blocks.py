@@ -579,3 +579,35 @@ def test_double_backward_through_a_fused_layer() -> None:
     with track(model, "variance"):
         got = torch.autograd.grad(penalty(), [model[2].weight])[0]
     assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant: bool) -> None:
+    """The forward re-run inside the backward is not a new use, and nothing it captured is
+    kept after the backward."""
+    model = Checkpointed(reentrant).double()
+    x = torch.randn(4, 5, 8, dtype=D, requires_grad=reentrant)  # reentrant needs an input grad
+    y = torch.randn(4, 5, 3, dtype=D)
+    case = Case("ckpt", nn.Identity, torch.zeros, lambda m, b, r: sq(m(b[0][r]), b[1][r]))
+    plain = copy.deepcopy(model)
+    plain.reentrant = False  # the loop's autograd.grad is wrong through reentrant checkpoints
+    ref = loop_oracle(case, plain, (x, y), 4)
+    with track(model, *QUANTITIES, moments=(3,), loss_reduction="sum") as stats:
+        for rows in (slice(0, 3), slice(3, 4)):
+            case.losses(model, (x, y), rows).sum().backward()
+            assert stats._records == []
+    compare(stats, ref, rtol=1e-10, atol=1e-12)

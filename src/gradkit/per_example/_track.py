@@ -66,6 +66,7 @@ class _UseRecord:
     leaves: dict[int, Node]  # pid -> the parameter's gradient accumulator
     buffered: dict[int, torch.Tensor] = field(default_factory=dict)  # edge sums before deciding
     from_edges: dict[int, bool] = field(default_factory=dict)  # decided: mean read at the edges
+    recomputed: bool = False  # a forward run inside a backward (activation checkpointing)
 
     def release_graph(self) -> None:
         """Drop the references to graph nodes once this backward has read them. The record
@@ -140,6 +141,12 @@ def _param_edges(
             else:
                 stack.append(nxt)
     return found
+
+
+def _in_backward() -> bool:
+    """Whether a backward pass is running (a forward inside it re-computes activations)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and int(task()) != -1
 
 
 def _will_execute(node: Node) -> bool:
@@ -400,6 +407,7 @@ class Tracker(Mapping[str, ParamStats]):
                         targets[torch.autograd.graph.get_gradient_edge(p).node] = st.pids[local]
                 edges = _param_edges([t.grad_fn for t in live], stops, targets)
             record = _UseRecord(call, sums, edges, {pid: nd for nd, pid in targets.items()})
+            record.recomputed = _in_backward()
             self._records.append(record)
             st.forward_count += 1
             if isinstance(output, torch.Tensor):
@@ -587,7 +595,9 @@ class Tracker(Mapping[str, ParamStats]):
         for record in self._records:
             if id(record) in done:
                 record.release_graph()
-        self._records = [r for r in self._records if id(r) not in done]
+            elif record.recomputed:  # non-reentrant checkpointing: its gradient went elsewhere
+                record.release()
+        self._records = [r for r in self._records if id(r) not in done and not r.recomputed]
         for pid, parts in deferred.items():
             pe = parts[0][0] if len(parts) == 1 else combine([p for p, _, _ in parts])
             given = all(g for _, g, _ in parts)
