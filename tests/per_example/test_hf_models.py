@@ -153,6 +153,16 @@ def gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def opt() -> nn.Module:
+    """OPT: its MLP and final LayerNorm run on the positions merged into rows, [N * T, d]."""
+    cfg = transformers.OPTConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+        max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.OPTForCausalLM(cfg)
+
+
 def bert() -> nn.Module:
     cfg = transformers.BertConfig(
         vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -216,6 +226,7 @@ MODELS = {
     c.id: c
     for c in [
         HFCase("gpt2", gpt2, lm_batch, causal_lm_loss),
+        HFCase("opt", opt, lm_batch, causal_lm_loss, float32_inside=True),  # softmax in float32
         HFCase("bert", bert, classify_batch, classify_loss),
         HFCase("llama", llama, lm_batch, causal_lm_loss, float32_inside=True),
         HFCase("bart", bart, seq2seq_batch, seq2seq_loss),

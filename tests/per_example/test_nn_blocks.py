@@ -384,24 +384,41 @@ def test_batch_size_equal_to_layer_sequence_and_feature_sizes(layers: int) -> No
 
 
 class Flattening(nn.Module):
-    def __init__(self) -> None:
+    """Layers on the positions merged into rows, as OPT's MLP: ``[N, T, d] -> [N * T, d]``
+    (``time_major``: ``[T, N, d] -> [T * N, d]``, rows that cannot be split by example)."""
+
+    def __init__(self, time_major: bool = False) -> None:
         super().__init__()
+        self.time_major = time_major
         self.inp = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 2)
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        return self.out(h.reshape(-1, 8)).reshape(x.shape[0], -1)
+        h = h.transpose(0, 1) if self.time_major else h
+        rows = self.fc2(torch.relu(self.fc1(self.norm(h.reshape(-1, 8)))))
+        out = rows.view(h.shape[0], h.shape[1], 2)
+        return out.transpose(0, 1) if self.time_major else out
 
 
-def test_modules_that_reshape_examples_raise() -> None:
+def test_layers_on_merged_rows_are_split_by_example() -> None:
     model = Flattening().double()
+    x, y = torch.randn(3, 5, 8, dtype=D), torch.randn(3, 5, 2, dtype=D)
+    case = Case("merged", Flattening, lambda n: (x, y), lambda m, b, r: sq(m(b[0][r]), b[1][r]))
+    ref = loop_oracle(case, model, (x, y), 3)
+    compare(tracked(case, model, (x, y), [2, 1], "sum"), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_rows_that_cannot_be_split_by_example_raise() -> None:
+    model = Flattening(time_major=True).double()
     x = torch.randn(3, 5, 8, dtype=D)
     with (
-        pytest.raises(GradkitError, match=r"out \(Linear\).*15.*3 examples"),
+        pytest.raises(GradkitError, match=r"fc2 \(Linear\).*15.*3 examples.*\[T \* N, d\]"),
         track(model, "variance"),
     ):
-        model(x).pow(2).sum(1).mean().backward()
+        model(x).pow(2).sum((1, 2)).mean().backward()
 
 
 class NotBroadcast(nn.Module):

@@ -19,6 +19,11 @@ trusted for that call and no call is reshaped. Given where the examples are in e
   ``wpe(torch.arange(T))`` on ``idx`` of shape ``[N, T]`` gives ``[T, d]``, added to
   ``[N, T, d]``): its output gets a leading batch dimension of ``N``, as broadcasting would give
   it;
+* **merged**: a layer that accepts any leading dimensions (Linear, ``Conv1D``, LayerNorm,
+  RMSNorm) called on the examples' positions merged into rows, ``[N * T, d]`` (OPT's MLP
+  flattens its input), where the rows provably come from an ``[N, T, ...]`` tensor: its input
+  is a reshape of one whose first dimension is ``N``, or follows from such a layer's output
+  through single-input operations (an activation). Rules see ``[N, T, d]``;
 * **mismatch**: anything else whose batch size is not ``N`` (a layer on ``[N * T, d]``, T5's
   relative position table ``[T, T]``): per-example gradients cannot be split from its output,
   and a gradient reaching it raises.
@@ -48,6 +53,7 @@ class ModelCall:
     n: int | None
     example_shape: tuple[int, ...] | None
     trusted: bool | None = None
+    merged: dict[Any, int] = field(default_factory=dict)  # graph node -> positions per example
 
     def confirm(self, n_first: int | None) -> None:
         """The first tracked module call had ``n_first`` examples: ``n`` is trusted if it
@@ -83,6 +89,52 @@ class Call:
     mode: str = "batched"
     problem: str = ""  # for mode "mismatch": what is wrong
     out_spec: Any = None  # the output's tree structure
+    positions: int = 1  # mode "merged": rows per example ([N * positions, ...] -> [N, positions])
+
+
+def _merged(
+    tensors: list[torch.Tensor], rows: int | None, n: int, allowed: bool, model: Any
+) -> int | None:
+    """Positions per example if a call on ``rows`` rows is the merged ``[n, T]`` case."""
+    if not allowed or rows is None or rows % n or rows == n:
+        return None
+    grads = [t for t in tensors if t.requires_grad and t.dim() >= 2 and t.shape[0] == rows]
+    if not grads:
+        return None
+    positions = merged_positions(grads[0].grad_fn, model)
+    return positions if positions == rows // n else None
+
+
+def _merged_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out_leaves: list[Any],
+    out_spec: Any,
+    n: int,
+    positions: int,
+) -> Call:
+    """A merged call: every tensor with ``n * positions`` rows is seen as ``[n, positions]``."""
+    in_leaves, in_spec = tree_flatten((args, kwargs))
+    rows = n * positions
+
+    def split(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows:
+            return t.detach().reshape(n, positions, *t.shape[1:])
+        return t.detach() if isinstance(t, torch.Tensor) else t
+
+    cargs, ckwargs = tree_unflatten([split(t) for t in in_leaves], in_spec)
+    dims: list[int | None] = [0 if isinstance(t, torch.Tensor) else None for t in out_leaves]
+    return Call(
+        n,
+        cargs,
+        ckwargs,
+        [],
+        dims,
+        [False] * len(out_leaves),
+        mode="merged",
+        out_spec=out_spec,
+        positions=positions,
+    )
 
 
 def _size(t: Any, d: int | None) -> int | None:
@@ -95,6 +147,29 @@ def _expand(t: torch.Tensor, d: int, n: int) -> torch.Tensor:
     return t.expand(shape)
 
 
+_RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+
+
+def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:
+    """Positions per example of the rows of the tensor ``node`` produced, if they provably are
+    ``[N, T, ...]`` merged into ``[N * T, ...]`` (see the module docstring), else None."""
+    for _ in range(depth):
+        if node is None:
+            return None
+        if node in model.merged:
+            return model.merged[node]
+        if type(node).__name__ in _RESHAPES:
+            sizes = tuple(int(s) for s in getattr(node, "_saved_self_sym_sizes", ()))
+            if len(sizes) >= 3 and sizes[0] == model.n:
+                return int(torch.Size(sizes[1:-1]).numel())
+            return None
+        inputs = [nxt for nxt, _ in node.next_functions if nxt is not None]
+        if len(inputs) != 1:  # only through single-input operations (activations, casts)
+            return None
+        node = inputs[0]
+    return None
+
+
 def split_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -104,9 +179,11 @@ def split_call(
     model: ModelCall | None,
     batch_dim: int,
     batch_first: bool,
+    leading_dims: bool = False,
 ) -> Call:
     """Split one call (see the module docstring); ``model`` is the model call this module call
-    belongs to (None: called outside it)."""
+    belongs to (None: called outside it); ``leading_dims``: the rule takes inputs with any
+    leading dimensions (a merged call may be reshaped for it)."""
     out_leaves, out_spec = tree_flatten(output)
     in_leaves, in_spec = tree_flatten((args, kwargs))
     live = [
@@ -132,6 +209,8 @@ def split_call(
             mode = "broadcast"
         elif batch_dim == 0 and len(out_leaves) == 1 and one_example:
             mode = "unbatched"
+        elif positions := _merged(tensors, n_mod, n_model, batch_first and leading_dims, model):
+            return _merged_call(args, kwargs, out_leaves, out_spec, n_model, positions)
         else:
             mode = "mismatch"
     elif n is None:

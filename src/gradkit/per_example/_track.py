@@ -379,6 +379,7 @@ class Tracker(Mapping[str, ParamStats]):
                 model=self._model_calls[-1] if self._model_calls else None,
                 batch_dim=st.batch_dim,
                 batch_first=st.rule is not vmap_rule,
+                leading_dims=getattr(st.rule, "leading_dims", False),
             )
             replacement = call.output
             if call.mode == "batched" and self._fusable(st, args, output):
@@ -390,6 +391,8 @@ class Tracker(Mapping[str, ParamStats]):
                 sums = None
             if replacement is not None:
                 output = replacement
+            if call.mode == "merged" and isinstance(output, torch.Tensor):
+                self._model_calls[-1].merged[output.grad_fn] = call.positions
                 leaves = tree_flatten(output)[0]
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 if call.mode == "unbatched":
@@ -492,14 +495,17 @@ class Tracker(Mapping[str, ParamStats]):
                 f"per_example.track: module {st.name or 'model'} ({type(st.module).__name__}) "
                 f"{call.problem}, so its gradient cannot be split by example. If the batch is "
                 "not in dimension 0 of the model's inputs, pass batch_dim=...; if this module "
-                "mixes examples or reshapes them (e.g. flattens [N, T, d] to [N * T, d]), "
-                "freeze its parameters (requires_grad_(False)) or register a rule for it"
+                "mixes examples or sees them reshaped in a way that cannot be traced back to "
+                "[N, T, ...] (e.g. [T, N, d] flattened to [T * N, d]), freeze its parameters "
+                "(requires_grad_(False)) or register a rule for it"
             )
         leaves: list[Any] = []
         for g, d, added in zip(grads, call.out_dims, call.added, strict=True):
             if g is not None:
                 g = g.detach()
-                if call.in_dims or added or d is None or d == 0:  # the fallback: as it is
+                if call.positions > 1:  # [N * T, ...] -> [N, T, ...]
+                    g = g.reshape(call.n, call.positions, *g.shape[1:])
+                elif call.in_dims or added or d is None or d == 0:  # the fallback: as it is
                     pass
                 else:
                     g = g.movedim(d, 0)

@@ -44,3 +44,4 @@ def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
 
 
 linear_rule.weight_layout_transposed = False  # type: ignore[attr-defined]  # see _fused
+linear_rule.leading_dims = True  # type: ignore[attr-defined]  # any leading dimensions

@@ -80,6 +80,8 @@ def layer_norm_rule(
     return _affine(xhats, gs, ctx, lead, shape)
 
 
+layer_norm_rule.leading_dims = True  # type: ignore[attr-defined]  # any leading dimensions
+
 if hasattr(nn, "RMSNorm"):
 
     @register_rule(nn.RMSNorm)
@@ -93,6 +95,8 @@ if hasattr(nn, "RMSNorm"):
         xhats = [F.rms_norm(x, shape, None, module.eps) for x in xs]
         lead = tuple(range(1, xs[0].dim() - len(shape)))
         return _affine(xhats, gs, ctx, lead, shape)
+
+    rms_norm_rule.leading_dims = True  # type: ignore[attr-defined]
 
 
 @register_rule(nn.GroupNorm)

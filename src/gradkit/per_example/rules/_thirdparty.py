@@ -90,6 +90,7 @@ def conv1d_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
 
 
 conv1d_rule.weight_layout_transposed = True  # type: ignore[attr-defined]  # see _fused
+conv1d_rule.leading_dims = True  # type: ignore[attr-defined]  # any leading dimensions
 
 
 def _scaled(module: nn.Module) -> float:
