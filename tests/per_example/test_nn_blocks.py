@@ -628,3 +628,31 @@ def test_activation_checkpointing(reentrant: bool) -> None:
             case.losses(model, (x, y), rows).sum().backward()
             assert stats._records == []
     compare(stats, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_layers_under_bf16_autocast() -> None:
+    """Under autocast the layer runs in bf16 with a float32 weight: the fused backward returns
+    each gradient in its input's dtype, the weight's summed in float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(4, 5, 8)
+    results = {}
+    for fuse in (False, True):
+        model.zero_grad()
+        with track(model, "variance", fuse=fuse) as stats:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        results[fuse] = (
+            {k: p.grad.clone() for k, p in model.named_parameters()},
+            {k: stats[k].variance for k in stats},
+        )
+    (grads0, var0), (grads1, var1) = results[False], results[True]
+    for k in grads0:
+        assert grads1[k].dtype == grads0[k].dtype == torch.float32
+        if not k.endswith("weight"):
+            assert torch.equal(grads1[k], grads0[k]), k
+        scale = grads0[k].abs().max()
+        assert torch.allclose(grads1[k], grads0[k], rtol=2e-2, atol=2e-2 * scale), k
+        # the mean read from the bf16 batch gradient: bf16 rounding, amplified by cancellation
+        assert torch.allclose(var1[k], var0[k], rtol=5e-2, atol=5e-2 * var0[k].abs().max()), k

@@ -11,7 +11,8 @@ multiplying again. The input's and the bias's gradients are computed as autograd
 
 ``p.grad`` of such a weight then equals autograd's up to float rounding (a sum over examples of
 per-example products instead of one product over all positions: about 1e-7 relative in
-float32, 1e-16 in float64); every other gradient is unchanged. Where the per-example gradients
+float32, 1e-16 in float64; under bf16/fp16 autocast the sum is taken in float32, where autograd
+multiplies in the low precision); every other gradient is unchanged. Where the per-example gradients
 were not materialized in this backward (closed forms sufficed, the layer was called several
 times, a double backward builds a graph through the gradient), the backward multiplies as
 autograd does.
@@ -62,6 +63,7 @@ class LinearWithSums(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.sums, ctx.transposed = sums, transposed
+        ctx.bias_dtype = bias.dtype if bias is not None else out.dtype
         ctx.mark_dirty(out)  # the output is reused as it is, not copied
         return out
 
@@ -69,15 +71,17 @@ class LinearWithSums(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         gx = gw = gb = None
+        # under autocast the layer ran in g's dtype: products in it, gradients in each input's
+        wg = w.to(g.dtype)
         if ctx.needs_input_grad[0]:
-            gx = g @ (w.T if ctx.transposed else w)
+            gx = (g @ (wg.T if ctx.transposed else wg)).to(x.dtype)
         if ctx.needs_input_grad[1]:
             total = ctx.sums.take()
             if total is not None and not torch.is_grad_enabled():
                 gw = total.to(w.dtype)
             else:  # not materialized, or a graph of the gradient is wanted: multiply
-                g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-                gw = x2.T @ g2 if ctx.transposed else g2.T @ x2
+                g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
+                gw = (x2.T @ g2 if ctx.transposed else g2.T @ x2).to(w.dtype)
         if ctx.needs_input_grad[2]:
-            gb = g.reshape(-1, g.shape[-1]).sum(0)
+            gb = g.reshape(-1, g.shape[-1]).sum(0).to(ctx.bias_dtype)
         return gx, gw, gb, None, None, None
