@@ -391,12 +391,12 @@ class Tracker(Mapping[str, ParamStats]):
                 sums = None
             if replacement is not None:
                 output = replacement
-            if call.mode == "merged" and isinstance(output, torch.Tensor):
-                self._model_calls[-1].merged[output.grad_fn] = call.positions
                 leaves = tree_flatten(output)[0]
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
                 if call.mode == "unbatched":
                     self._reshaped.append(f"{st.name or 'model'} ({type(module).__name__})")
+            if call.mode == "merged" and isinstance(output, torch.Tensor):
+                self._model_calls[-1].merged[output.grad_fn] = call.positions
             edges: dict[int, list[tuple[Node, int]]] = {}
             targets: dict[Node, int] = {}
             if self._want.mean:  # the mean is read at the edges into the parameters
