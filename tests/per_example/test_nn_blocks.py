@@ -656,3 +656,32 @@ def test_fused_layers_under_bf16_autocast() -> None:
         assert torch.allclose(grads1[k], grads0[k], rtol=2e-2, atol=2e-2 * scale), k
         # the mean read from the bf16 batch gradient: bf16 rounding, amplified by cancellation
         assert torch.allclose(var1[k], var0[k], rtol=5e-2, atol=5e-2 * var0[k].abs().max()), k
+
+
+class TakesRow(nn.Module):
+    """Positions looked up with [1, T] ids, then taken along the batch dimension."""
+
+    def __init__(self, take: str) -> None:
+        super().__init__()
+        self.take = take
+        self.tok = nn.Embedding(11, 8)
+        self.pos = nn.Embedding(6, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pe = self.pos(torch.arange(idx.shape[1])[None])  # [1, T, d]
+        pe = pe[0] if self.take == "select" else pe.sum(0)  # [T, d]: fine untracked
+        return self.tok(idx) + pe
+
+
+@pytest.mark.parametrize("take", ["select", "sum"])
+def test_broadcast_output_taken_along_the_batch_raises(take: str) -> None:
+    model = TakesRow(take).double()
+    idx, _ = ids_batch(3)
+    plain = model(idx)
+    with (
+        pytest.raises(GradkitError, match=r"pos \(Embedding\).*along the batch dimension"),
+        track(model, "variance"),
+    ):
+        out = model(idx)
+        assert torch.equal(out, plain) if take == "select" else True
+        out.pow(2).sum().backward()

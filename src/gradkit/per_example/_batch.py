@@ -54,6 +54,7 @@ class ModelCall:
     example_shape: tuple[int, ...] | None
     trusted: bool | None = None
     merged: dict[Any, int] = field(default_factory=dict)  # graph node -> positions per example
+    expanded: list[tuple[Any, Any, int]] = field(default_factory=list)  # (call, node, batch dim)
 
     def confirm(self, n_first: int | None) -> None:
         """The first tracked module call had ``n_first`` examples: ``n`` is trusted if it
@@ -148,6 +149,55 @@ def _expand(t: torch.Tensor, d: int, n: int) -> torch.Tensor:
 
 
 _RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+_ALONG = ("SelectBackward", "SliceBackward", "SqueezeBackward", "NarrowBackward", "SumBackward",
+          "MeanBackward", "ProdBackward", "AmaxBackward", "AminBackward", "MaxBackward",
+          "MinBackward", "CumsumBackward", "CumprodBackward", "LogsumexpBackward")  # fmt: skip
+_WHOLE = ("SumBackward0", "MeanBackward0", "ProdBackward0", "IndexBackward0")
+
+
+def _along_batch(node: Any, dim: int) -> bool:
+    """Whether ``node`` indexes or reduces its input along ``dim`` (or as a whole)."""
+    name = type(node).__name__
+    if name in _WHOLE:
+        return True
+    if not name.startswith(_ALONG):
+        return False
+    saved = getattr(node, "_saved_dim", None)
+    if saved is None:
+        return True  # reduces everything
+    rank = len(getattr(node, "_saved_self_sym_sizes", ())) or None
+    dims = saved if isinstance(saved, tuple) else (saved,)
+    return any((int(d) % rank if rank else int(d)) == dim for d in dims)
+
+
+def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
+    """Turn into mismatches the expanded calls of ``model`` whose expanded output the model
+    indexes or reduces along the batch dimension (``pe[0]``, ``pe.sum(0)``) instead of
+    broadcasting it: split by example, they would not be what the model computes untracked.
+    One walk over the graph the model call built, only when something was expanded."""
+    if not model.expanded:
+        return
+    targets = {node: (call, dim) for call, node, dim in model.expanded}
+    stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt in targets:
+                call, dim = targets[nxt]
+                if _along_batch(node, dim) and call.mode != "mismatch":
+                    call.mode = "mismatch"
+                    call.problem = (
+                        "has an output that broadcasts over the batch (batch size 1, expanded to "
+                        f"the {call.n} examples of the model call), but the model takes it "
+                        f"through {type(node).__name__} along the batch dimension instead of "
+                        "broadcasting it"
+                    )
+            elif nxt is not None:
+                stack.append(nxt)
 
 
 def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:

@@ -41,7 +41,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_module
 from gradkit.per_example import _dist
-from gradkit.per_example._batch import Call, Dims, ModelCall, split_call
+from gradkit.per_example._batch import (
+    Call,
+    Dims,
+    ModelCall,
+    check_broadcast_consumers,
+    split_call,
+)
 from gradkit.per_example._fused import LinearWithSums, WeightSum
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._layout import call_layout, inner_batch_dims
@@ -350,8 +356,11 @@ class Tracker(Mapping[str, ParamStats]):
         self._model_calls.append(_model_call(args, kwargs, self._batch_dim))
 
     def _model_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        n = self._model_calls.pop().n if self._model_calls else None
+        model_call = self._model_calls.pop() if self._model_calls else None
+        n = model_call.n if model_call is not None else None
         failed = sys.exc_info()[1]
+        if model_call is not None and failed is None:
+            check_broadcast_consumers(output, model_call)
         if failed is not None and self._reshaped and hasattr(failed, "add_note"):
             failed.add_note(
                 "per_example.track gave these modules a batch dimension of "
@@ -390,6 +399,15 @@ class Tracker(Mapping[str, ParamStats]):
             else:
                 sums = None
             if replacement is not None:
+                if call.mode in ("broadcast", "unbatched"):
+                    for old, new, d in zip(
+                        tree_flatten(output)[0],
+                        tree_flatten(replacement)[0],
+                        call.out_dims,
+                        strict=True,
+                    ):
+                        if new is not old and isinstance(new, torch.Tensor) and d is not None:
+                            self._model_calls[-1].expanded.append((call, new.grad_fn, d))
                 output = replacement
                 leaves = tree_flatten(output)[0]
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
