@@ -685,3 +685,8 @@ def test_broadcast_output_taken_along_the_batch_raises(take: str) -> None:
         out = model(idx)
         assert torch.equal(out, plain) if take == "select" else True
         out.pow(2).sum().backward()
+
+
+def test_fuse_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"fuse: expected True or False, got 1"):
+        track(nn.Linear(2, 2), "variance", fuse=1)  # type: ignore[arg-type]
