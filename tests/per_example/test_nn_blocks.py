@@ -690,3 +690,35 @@ def test_broadcast_output_taken_along_the_batch_raises(take: str) -> None:
 def test_fuse_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"fuse: expected True or False, got 1"):
         track(nn.Linear(2, 2), "variance", fuse=1)  # type: ignore[arg-type]
+
+
+class TransposesPositions(nn.Module):
+    """A [T] lookup (shaped like one example) whose output is transposed, not broadcast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, T, 8]
+        table = self.pos(torch.arange(x.shape[1]))  # [T, 8]
+        return x @ table.transpose(0, 1)  # [N, T, T]
+
+
+def test_the_note_names_the_module_given_a_batch_dimension() -> None:
+    """[T] ids are shaped like one example of the [N, T] input: the output gets a batch
+    dimension, which this model cannot take; the forward's error says which module."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = TransposesPositions()
+
+        def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + ids.unsqueeze(-1)
+
+    model = Wrapper().double()
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    with pytest.raises(RuntimeError) as err, track(model, "variance"):
+        model(ids, torch.randn(3, 5, 8, dtype=D))
+    notes = "".join(getattr(err.value, "__notes__", []))
+    assert "inner.pos (Embedding)" in notes and "batch dimension of 3 examples" in notes

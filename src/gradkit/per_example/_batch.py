@@ -24,7 +24,7 @@ trusted for that call and no call is reshaped. Given where the examples are in e
   flattens its input), where the rows provably come from an ``[N, T, ...]`` tensor: its input
   is a reshape of one whose first dimension is ``N``, or follows from such a layer's output
   through single-input operations (an activation). Rules see ``[N, T, d]``;
-* **mismatch**: anything else whose batch size is not ``N`` (a layer on ``[N * T, d]``, T5's
+* **mismatch**: anything else whose batch size is not ``N`` (a layer on ``[T * N, d]``, T5's
   relative position table ``[T, T]``): per-example gradients cannot be split from its output,
   and a gradient reaching it raises.
 
@@ -54,7 +54,8 @@ class ModelCall:
     example_shape: tuple[int, ...] | None
     trusted: bool | None = None
     merged: dict[Any, int] = field(default_factory=dict)  # graph node -> positions per example
-    expanded: list[tuple[Any, Any, int]] = field(default_factory=list)  # (call, node, batch dim)
+    # expanded outputs: (call, graph node, batch dimension, "name (Class)" of the module)
+    expanded: list[tuple[Any, Any, int, str]] = field(default_factory=list)
 
     def confirm(self, n_first: int | None) -> None:
         """The first tracked module call had ``n_first`` examples: ``n`` is trusted if it
@@ -177,7 +178,7 @@ def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
     One walk over the graph the model call built, only when something was expanded."""
     if not model.expanded:
         return
-    targets = {node: (call, dim) for call, node, dim in model.expanded}
+    targets = {node: (call, dim) for call, node, dim, _ in model.expanded}
     stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
     seen: set[Any] = set()
     while stack:

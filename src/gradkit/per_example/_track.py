@@ -299,7 +299,6 @@ class Tracker(Mapping[str, ParamStats]):
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
         self._model_calls: list[ModelCall] = []  # the model calls under way
-        self._reshaped: list[str] = []  # modules given a batch dimension in this model call
 
     # -- context manager ---------------------------------------------------------------------
 
@@ -361,16 +360,19 @@ class Tracker(Mapping[str, ParamStats]):
         failed = sys.exc_info()[1]
         if model_call is not None and failed is None:
             check_broadcast_consumers(output, model_call)
-        if failed is not None and self._reshaped and hasattr(failed, "add_note"):
+        reshaped = [
+            label for call, _, _, label in (model_call.expanded if model_call else [])
+            if call.mode == "unbatched"
+        ]  # fmt: skip
+        if failed is not None and reshaped and hasattr(failed, "add_note"):
             failed.add_note(
                 "per_example.track gave these modules a batch dimension of "
                 f"{n} examples because their outputs had none: "
-                + ", ".join(self._reshaped)
+                + ", ".join(reshaped)
                 + ". A model that does not broadcast such an output over the batch cannot be "
                 "split by example there: freeze its parameters (requires_grad_(False)) or "
                 "give its inputs the batch dimension"
             )
-        self._reshaped = []
 
     def _forward_hook(self, st: _ModuleState) -> Any:
         def hook(
@@ -407,12 +409,11 @@ class Tracker(Mapping[str, ParamStats]):
                         strict=True,
                     ):
                         if new is not old and isinstance(new, torch.Tensor) and d is not None:
-                            self._model_calls[-1].expanded.append((call, new.grad_fn, d))
+                            label = f"{st.name or 'model'} ({type(module).__name__})"
+                            self._model_calls[-1].expanded.append((call, new.grad_fn, d, label))
                 output = replacement
                 leaves = tree_flatten(output)[0]
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-                if call.mode == "unbatched":
-                    self._reshaped.append(f"{st.name or 'model'} ({type(module).__name__})")
             if call.mode == "merged" and isinstance(output, torch.Tensor):
                 self._model_calls[-1].merged[output.grad_fn] = call.positions
             edges: dict[int, list[tuple[Node, int]]] = {}
@@ -613,8 +614,9 @@ class Tracker(Mapping[str, ParamStats]):
                 f"this backward pass: {sizes} (module: batch size). Per-example statistics need "
                 "one batch: if the examples are not in dimension 0 of every module's input and "
                 "output, pass batch_dim=... (and modules whose layout says otherwise, such as "
-                "RNNs and attention, are read by their batch_first); a module that reshapes the "
-                "examples (e.g. [N, T, d] -> [N * T, d]) before a tracked layer cannot be split"
+                "RNNs and attention, are read by their batch_first); a module that sees the "
+                "examples reshaped in a way that cannot be traced back to [N, T, ...] (e.g. "
+                "[T, N, d] -> [T * N, d]) cannot be split"
             )
         for record in self._records:
             if id(record) in done:
@@ -755,7 +757,7 @@ def track(
         gives statistics of ``g_i / N``. All forward calls of a module between two backward
         passes are taken as uses on the same examples (weight tying): run backward after each
         micro-batch's forward. A layer that cannot be split by example (one that sees the
-        examples reshaped, ``[N * T, d]``; T5's relative attention bias) raises a
+        examples reshaped untraceably, ``[T * N, d]``; T5's relative attention bias) raises a
         :class:`GradkitError` rather than return statistics of another number of examples.
     """
     return Tracker(
