@@ -6,6 +6,7 @@
   semantics, and a process-group version over torch.distributed.
 """
 
+from gradkit._validate import expose
 from gradkit.accumulate._conditional import *  # noqa: F403
 from gradkit.accumulate._conditional import __all__ as _conditional_all
 from gradkit.accumulate._micro import *  # noqa: F403
@@ -14,3 +15,5 @@ from gradkit.accumulate._sizing import *  # noqa: F403
 from gradkit.accumulate._sizing import __all__ as _sizing_all
 
 __all__ = [*_conditional_all, *_micro_all, *_sizing_all]
+
+expose(globals(), __all__, __name__)

@@ -19,6 +19,7 @@ __all__ = [
     "accumulation_dtype",
     "as_int",
     "as_tensor",
+    "check_device",
     "check_dtype",
     "check_grad_dtype",
     "check_local_step",
@@ -71,6 +72,12 @@ def check_num_required(value: Any, call: str) -> int:
 
 def as_int(value: Any, call: str, argument: str, expected: str) -> int:
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise TypeError(
+                message(
+                    call, argument, expected, f"{describe(value)} on the meta device", "pass an int"
+                )
+            )
         if value.dim() != 0:
             raise ValueError(message(call, argument, f"a scalar: {expected}", value, "pass an int"))
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
@@ -182,9 +189,44 @@ def check_grad_dtype(got: torch.dtype, want: torch.dtype, call: str, argument: s
 
 
 def as_tensor(value: Any, call: str, argument: str) -> torch.Tensor:
+    """``value`` if it is a tensor that holds data (meta tensors have none)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(message(call, argument, "a torch.Tensor", describe(value), "pass a tensor"))
+    if value.is_meta:
+        raise ValueError(
+            message(
+                call,
+                argument,
+                "a tensor with data",
+                f"{describe(value)} on the meta device (shapes only, no values)",
+                "pass the gradient computed on a real device; nothing was added",
+            )
+        )
     return value
+
+
+def check_device(device: Any, call: str) -> torch.device:
+    """A device that exists here and holds data: a ``torch.device`` or a string such as
+    ``"cpu"`` or ``"cuda:0"`` (not ``"meta"``; not ``"cuda"`` without a GPU)."""
+    fix = "pass e.g. device='cpu' or device='cuda:0'"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ValueError(
+            message(call, "device", "a torch.device or a device string", f"{device!r} ({err})", fix)
+        ) from err
+    if dev.type == "meta":
+        raise ValueError(
+            message(call, "device", "a device that holds data", "'meta' (shapes only)", fix)
+        )
+    if dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except Exception as err:  # torch raises RuntimeError or AssertionError here
+            raise ValueError(
+                message(call, "device", "a device available here", f"{dev} ({err})", fix)
+            ) from err
+    return dev
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

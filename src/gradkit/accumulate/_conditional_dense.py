@@ -14,6 +14,7 @@ from gradkit.accumulate._conditional_checks import (
     MISSING,
     accumulation_dtype,
     as_tensor,
+    check_device,
     check_dtype,
     check_grad_dtype,
     check_local_step,
@@ -52,7 +53,7 @@ class Configured(AccumulatorCore):
         self._shape = check_shape(shape, call)
         self._dtype = check_dtype(dtype, call)
         self._acc_dtype = accumulation_dtype(self._dtype)
-        self._device = torch.device(device)
+        self._device = check_device(device, call)
         self._reduction = check_choice(reduction, self._REDUCTIONS, call, "reduction")
 
     # ---- configuration

@@ -18,6 +18,7 @@ all ranks take the same branch):
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 import time
 from typing import Any
@@ -93,7 +94,7 @@ class DistributedConditionalAccumulator(ConditionalAccumulator):
         poll_interval: float = 1e-3,
     ) -> None:
         super().__init__(shape, dtype, device, reduction)
-        call = f"{self._NAME}(shape, dtype, device, reduction, group, timeout)"
+        call = f"{self._NAME}(shape, dtype, device, reduction, group, timeout, poll_interval)"
         if self._shape is None or any(d is None for d in self._shape):
             raise ValueError(
                 message(
@@ -102,6 +103,20 @@ class DistributedConditionalAccumulator(ConditionalAccumulator):
                     "a fully known shape (a rank without gradients contributes zeros of it)",
                     fmt_shape(self._shape),
                     "pass the parameter's shape, e.g. shape=p.shape",
+                )
+            )
+        if (
+            isinstance(poll_interval, bool)
+            or not isinstance(poll_interval, (int, float))
+            or not 0 < poll_interval < math.inf
+        ):
+            raise (TypeError if not isinstance(poll_interval, (int, float)) else ValueError)(
+                message(
+                    call,
+                    "poll_interval",
+                    "a positive, finite number of seconds",
+                    repr(poll_interval),
+                    "pass e.g. poll_interval=1e-3",
                 )
             )
         if not dist.is_available() or not dist.is_initialized():

@@ -54,9 +54,20 @@ class IndexedSlices(NamedTuple):
     def _rows(self, num_rows: int | None) -> int:
         if self.dense_shape[0] >= 0:
             return self.dense_shape[0]
-        if num_rows is not None:
-            return num_rows
-        return int(self.indices.max().item()) + 1 if self.indices.numel() else 0
+        needed = int(self.indices.max().item()) + 1 if self.indices.numel() else 0
+        if num_rows is None:
+            return needed
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < needed:
+            raise (ValueError if isinstance(num_rows, int) else TypeError)(
+                message(
+                    "IndexedSlices.to_dense/to_sparse_coo(num_rows)",
+                    "num_rows",
+                    f"None or an int >= {needed} (the largest index + 1)",
+                    repr(num_rows),
+                    "pass the dense gradient's number of rows, or leave it out",
+                )
+            )
+        return num_rows
 
     def to_sparse_coo(self, num_rows: int | None = None) -> torch.Tensor:
         """A coalesced sparse COO tensor (``sparse_dim=1``). Its number of rows is
@@ -170,10 +181,23 @@ class SparseConditionalAccumulator(Configured):
         step = check_local_step(local_step, f"{self._NAME}.apply_grad(grad, local_step)")
         call = f"{self._NAME}.apply_grad(grad, local_step={step})"
         if isinstance(grad, IndexedSlices):
-            shape = None if grad.dense_shape[0] < 0 else tuple(grad.dense_shape)
-            idx, vals = grad.indices.detach(), grad.values.detach()
+            idx = as_tensor(grad.indices, call, "grad.indices").detach()
+            vals = as_tensor(grad.values, call, "grad.values").detach()
+            dims = grad.dense_shape
+            unknown = isinstance(dims, (tuple, list)) and len(dims) > 0 and dims[0] == -1
+            shape = None if unknown else normalize_dense_shape(dims, call)
         else:
             g = as_tensor(grad, call, "grad")
+            if g.layout == torch.sparse_coo and g.dim() == 0:
+                raise ValueError(
+                    message(
+                        call,
+                        "grad",
+                        "a sparse COO tensor with rows (dimension 0)",
+                        "a 0-dimensional sparse tensor",
+                        "pass the gradient of a parameter with at least one dimension",
+                    )
+                )
             if g.layout != torch.sparse_coo:
                 raise TypeError(
                     message(
@@ -252,8 +276,35 @@ class SparseConditionalAccumulator(Configured):
         the accumulator's ``shape[0]``, else ``num_rows``, else the largest ``dense_shape[0]``
         applied in the window (sparse COO gradients carry one), else the largest index + 1."""
         call = f"{self._NAME}.take_sparse_coo(num_required={num_required!r})"
+        if num_rows is not None and (
+            isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0
+        ):
+            raise (ValueError if isinstance(num_rows, int) else TypeError)(
+                message(
+                    call,
+                    "num_rows",
+                    "None or an int >= 0",
+                    repr(num_rows),
+                    "pass the dense gradient's number of rows; nothing was consumed",
+                )
+            )
         slices, hint = self._take_slices(call, num_required, timeout)
-        return slices.to_sparse_coo(num_rows if num_rows is not None else hint)
+        needed = int(slices.indices.max().item()) + 1 if slices.indices.numel() else 0
+        if num_rows is not None and num_rows < needed:
+            err = ValueError(
+                message(
+                    call,
+                    "num_rows",
+                    f"an int >= {needed} (the largest row index taken + 1)",
+                    repr(num_rows),
+                    "the take was served: its result is the error's `slices` attribute "
+                    "(IndexedSlices); pass the dense gradient's number of rows",
+                )
+            )
+            err.slices = slices  # type: ignore[attr-defined]
+            raise err
+        rows = num_rows if num_rows is not None else max(hint or 0, needed)
+        return slices.to_sparse_coo(rows)
 
     # ---- checkpoints
     def state_dict(self) -> dict[str, Any]:

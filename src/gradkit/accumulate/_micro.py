@@ -9,33 +9,54 @@ total count ``N`` (summed over micro-steps *and* ranks):
 
 so micro-batches of unequal size, padded token batches, a short last window and ranks with
 different token counts all give the full-batch gradient. Everything that must happen once per
-window happens once: the all-reduce (DDP ``no_sync`` on every micro-step but the last, or one
-explicit all-reduce), AMP unscaling and the inf/NaN check, clipping, the optimizer step, the
-scheduler step, ``zero_grad``.
+window happens once, in :meth:`Accumulator.step`: the all-reduce over ranks (every micro-step
+runs under DDP's ``no_sync``; ``step`` sums the count and the gradients explicitly, so ranks
+may run different numbers of micro-steps), the division by ``N`` (in each gradient's own
+dtype), AMP unscaling and the inf/NaN check, clipping, the optimizer step, the scheduler
+step, ``zero_grad``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_module
+from gradkit.accumulate._batches import batch_size, split_batch
+from gradkit.accumulate._micro_checks import (
+    batchnorm_in_training,
+    check_ddp_forward,
+    check_loss,
+    check_max_grad_norm,
+    check_optimizer_covers,
+    check_scaler,
+    check_scheduler,
+    find_ddp,
+    is_bad,
+    resolve_count,
+)
+from gradkit.accumulate._window import (
+    all_reduce_grads,
+    all_reduce_tally,
+    clip_,
+    divide_,
+    float64_compensation,
+)
 
 __all__ = ["Accumulator", "StepResult", "split_batch"]
 
 logger = logging.getLogger(__name__)
 _NORMALIZE = ("examples", "tokens", "sum")
+_BAD_COUNT = "non-finite or negative count"
 
 
 @dataclass(frozen=True)
@@ -44,10 +65,13 @@ class StepResult:
 
     Attributes:
         stepped: whether the optimizer stepped (False when the window was skipped).
-        count: the window's total count ``N`` over micro-steps and ranks.
+        count: the window's total count ``N`` over micro-steps and ranks (NaN, inf and
+            negative counts left out).
         micro_steps: micro-steps in the window (on this rank).
-        grad_norm: the total gradient norm before clipping (None unless clipping or asked).
-        skipped_reason: why the window was skipped ("non-finite gradient", "amp overflow").
+        grad_norm: the total gradient norm before clipping (None without ``max_grad_norm``;
+            ``max_grad_norm=float('inf')`` reports it without clipping).
+        skipped_reason: why the window was skipped: ``"non-finite gradient"``,
+            ``"amp overflow"`` or ``"non-finite or negative count"``.
     """
 
     stepped: bool
@@ -57,94 +81,27 @@ class StepResult:
     skipped_reason: str | None = None
 
 
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return _batch_size(next(iter(batch.values())))
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
-    raise TypeError(
-        message(
-            "split_batch(batch, ...)",
-            "batch",
-            "a tensor, or a tuple, list or dict of tensors with the examples along dimension 0",
-            describe(batch),
-            "pass the batch as the loader gives it",
-        )
-    )
-
-
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return {k: _slice(v, start, stop) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(v, start, stop) for v in batch)
-    return batch  # non-tensor leaves are shared by every micro-batch
-
-
-def split_batch(
-    batch: Any, *, micro_batch_size: int | None = None, num_micro_batches: int | None = None
-) -> list[Any]:
-    """Split a batch (tensor, or tuple/list/dict of tensors, examples along dim 0) into
-    micro-batches of ``micro_batch_size`` examples (the last may be shorter) or into
-    ``num_micro_batches`` nearly equal parts.
-
-    Examples:
-        >>> import torch
-        >>> [m.shape[0] for m in split_batch(torch.zeros(10, 3), micro_batch_size=4)]
-        [4, 4, 2]
-        >>> [m[1].shape[0] for m in split_batch((torch.zeros(5), torch.ones(5)),
-        ...                                     num_micro_batches=2)]
-        [3, 2]
-    """
-    call = "split_batch(batch, ...)"
-    if (micro_batch_size is None) == (num_micro_batches is None):
-        raise ValueError(
-            message(
-                call,
-                "micro_batch_size / num_micro_batches",
-                "exactly one of them",
-                f"{micro_batch_size!r} / {num_micro_batches!r}",
-                "pass e.g. micro_batch_size=8",
-            )
-        )
-    n = _batch_size(batch)
-    size = (
-        micro_batch_size
-        if micro_batch_size is not None
-        else math.ceil(n / max(1, num_micro_batches or 1))
-    )
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(
-            message(
-                call,
-                "micro_batch_size",
-                "a positive int",
-                repr(size),
-                "pass e.g. micro_batch_size=8",
-            )
-        )
-    return [_slice(batch, s, min(s + size, n)) for s in range(0, n, size)]
-
-
 class Accumulator:
     """Exact gradient accumulation over micro-batches for a model and its optimizer.
 
     Args:
         model: the model (possibly wrapped in ``DistributedDataParallel``).
-        optimizer: its optimizer.
+        optimizer: its optimizer; it must hold at least one trainable parameter of ``model``
+            (else ``ValueError``). Only the optimizer's parameters are reduced, divided,
+            clipped, stepped and zeroed.
         normalize: ``"examples"`` (divide by the number of examples; counted from the
             micro-batches :meth:`split` yields, or given as ``count=``), ``"tokens"`` (divide by
             the ``count=`` each micro-step gives, e.g. valid tokens) or ``"sum"`` (no division).
-        max_grad_norm: clip the window's gradient to this norm, once, after unscaling.
+        max_grad_norm: clip the window's gradient to this norm, once, after unscaling
+            (``float('inf')``: only report the norm).
         scaler: a ``torch.amp.GradScaler``: losses are scaled in :meth:`backward`; unscaling,
             the inf/NaN check and the scale update happen once per window.
-        scheduler: stepped once per window, after a successful optimizer step.
+        scheduler: stepped once per window, after a successful optimizer step; it must be a
+            scheduler of ``optimizer``.
         skip_nonfinite: skip a window whose gradient has inf/NaN (without a scaler; with one,
-            the scaler decides).
+            the scaler decides), or whose count is NaN, inf or negative. With ``False`` such a
+            count raises ``ValueError`` at :meth:`micro_step`, and non-finite gradients are
+            stepped.
         group: the ``torch.distributed`` process group (default: the world group when
             initialized).
 
@@ -164,7 +121,8 @@ class Accumulator:
 
     Warning:
         Losses passed to :meth:`backward` must be **sums** over the micro-batch's items:
-        the division by the window's total count happens once, in :meth:`step`.
+        the division by the window's total count happens once, in :meth:`step`. Run the
+        forward inside ``with acc.micro_step()`` (with DDP, :meth:`backward` raises otherwise).
     """
 
     def __init__(
@@ -192,37 +150,39 @@ class Accumulator:
                 )
             )
         self.normalize = check_choice(normalize, _NORMALIZE, call, "normalize")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm, call)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(
                 message(
-                    call,
-                    "max_grad_norm",
-                    "None or a positive number",
-                    repr(max_grad_norm),
-                    "pass e.g. max_grad_norm=1.0",
+                    call, "skip_nonfinite", "True or False", repr(skip_nonfinite), "pass a bool"
                 )
             )
+        check_scaler(scaler, call)
+        check_scheduler(scheduler, optimizer, call)
+        check_optimizer_covers(model, optimizer, call)
         self.model, self.optimizer = model, optimizer
-        self.max_grad_norm, self.scaler, self.scheduler = max_grad_norm, scaler, scheduler
+        self.scaler, self.scheduler = scaler, scheduler
         self.skip_nonfinite = skip_nonfinite
         self.group = group
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.windows = 0
         self.skipped = 0
+        self._warned_bn = False
+        self._in_micro = False
+        self._backward_done = False
+        self._pending: int | None = None  # examples of the micro-batch split() just yielded
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self._count = 0.0
         self._micro_steps = 0
-        self._in_micro = False
-        self._micro_count: float | None = None
-        self._split_sizes: list[int] = []
-        self._split_last = True
-        self._last_synced = False
-        self._warned_bn = False
+        self._bad: list[float] = []  # NaN, inf or negative counts of this window
 
     # -- the window ----------------------------------------------------------------------------
 
     @property
-    def _ddp(self) -> bool:
-        return isinstance(self.model, nn.parallel.DistributedDataParallel)
+    def params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters, read at each use (``add_param_group`` is seen)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     @property
     def _distributed(self) -> bool:
@@ -235,100 +195,84 @@ class Accumulator:
         micro_batch_size: int | None = None,
         num_micro_batches: int | None = None,
     ) -> Iterator[Any]:
-        """Yield the micro-batches of ``batch`` (see :func:`split_batch`); the last one's
-        backward synchronizes DDP gradients, the others run under ``no_sync``."""
+        """Yield the micro-batches of ``batch`` (see :func:`split_batch`); a
+        :meth:`micro_step` without ``count`` counts the examples of the one just yielded."""
         parts = split_batch(
             batch, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches
         )
-        for k, part in enumerate(parts):
-            self._split_sizes = [_batch_size(part)]
-            self._split_last = k == len(parts) - 1
-            yield part
-        self._split_sizes = []
+        try:
+            for part in parts:
+                self._pending = batch_size(part)
+                yield part
+        finally:
+            self._pending = None
 
     @contextlib.contextmanager
-    def micro_step(self, count: float | None = None) -> Iterator[None]:
+    def micro_step(self, count: Any = None) -> Iterator[None]:
         """One micro-step: run the micro-batch's forward and :meth:`backward` inside.
 
         Args:
-            count: the number of items whose summed loss this micro-step backpropagates
-                (tokens for ``normalize="tokens"``; defaults to the micro-batch's examples when
-                :meth:`split` produced it).
+            count: the number (or total weight) of items whose summed loss this micro-step
+                backpropagates: tokens for ``normalize="tokens"``; defaults to the micro-batch's
+                examples when :meth:`split` produced it. An int, a float or a one-element
+                tensor; ``0`` for an empty micro-batch (then :meth:`backward` may be left out).
+                A NaN, inf or negative count skips the window (``skip_nonfinite=True``) or
+                raises ``ValueError``.
+
+        If the block raises after :meth:`backward`, the micro-step still counts (its gradient
+        is in ``.grad``); if it raises before, nothing was added.
         """
         call = "Accumulator.micro_step(count)"
         if self._in_micro:
             raise GradkitError(f"{call}: micro-steps do not nest; close the previous one first")
+        pending, self._pending = self._pending, None
+        value = resolve_count(count, pending, self.normalize, self.skip_nonfinite, call)
         if self._micro_steps == 0 and self.windows == 0:
             self._check_clean_start()  # later windows start clean: step() zeroes
-        if count is None:
-            if self.normalize == "tokens":
-                raise ValueError(
-                    message(
-                        call,
-                        "count",
-                        "the number of tokens of this micro-batch (normalize='tokens')",
-                        "None",
-                        "pass count=number of non-padding tokens",
-                    )
-                )
-            if self.normalize == "examples" and not self._split_sizes:
-                raise ValueError(
-                    message(
-                        call,
-                        "count",
-                        "the number of examples of this micro-batch",
-                        "None",
-                        "pass count=len(micro_batch) or iterate over acc.split(batch, ...)",
-                    )
-                )
-            count = float(self._split_sizes[0]) if self._split_sizes else 0.0
-        elif isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
-            raise ValueError(
-                message(
-                    call,
-                    "count",
-                    "a non-negative number",
-                    repr(count),
-                    "pass the number of items the summed loss covers",
-                )
-            )
         if self._micro_steps == 0:
             self._check_batchnorm()  # once per window
-        sync = not self._split_sizes or self._split_last
         ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self._ddp and not sync:
-            assert isinstance(self.model, nn.parallel.DistributedDataParallel)
-            ctx = self.model.no_sync()
-        self._in_micro = True
-        self._micro_count = float(count)
+        ddp = find_ddp(self.model)
+        if ddp is not None:
+            ctx = ddp.no_sync()  # step() all-reduces once
+        self._in_micro, self._backward_done = True, False
         try:
             with ctx:
                 yield
+        except BaseException:
+            if self._backward_done:
+                self._commit(value)
+            raise
         finally:
             self._in_micro = False
-        self._count += float(count)
+        if not self._backward_done and value != 0 and not is_bad(value):
+            raise GradkitError(
+                f"{call}: the micro-step with count={value:g} ended without "
+                "acc.backward(loss): its items would be counted with no gradient; call "
+                "acc.backward(summed_loss) inside the block (not loss.backward()), or pass "
+                "count=0 for an empty micro-batch; nothing was added to the window"
+            )
+        self._commit(value)
+
+    def _commit(self, value: float) -> None:
+        if is_bad(value):
+            self._bad.append(value)
+        else:
+            self._count += value
         self._micro_steps += 1
-        self._last_synced = self._ddp and sync
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate a micro-batch's **summed** loss (scaled by the AMP scaler if any)."""
+        call = "Accumulator.backward(loss)"
         if not self._in_micro:
             raise GradkitError(
-                "Accumulator.backward(loss): call it inside "
-                "`with acc.micro_step(...)`, which counts the micro-batch and "
-                "decides whether DDP synchronizes"
+                f"{call}: call it inside `with acc.micro_step(...)`, which counts the "
+                "micro-batch and keeps DDP from synchronizing"
             )
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(
-                message(
-                    "Accumulator.backward(loss)",
-                    "loss",
-                    "a scalar tensor (the sum of the micro-batch's losses)",
-                    describe(loss),
-                    "reduce with .sum()",
-                )
-            )
+        check_loss(loss, call)
+        check_ddp_forward(self.model, call)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self._backward_done = True
 
     def _check_clean_start(self) -> None:
         stale = [p for p in self.params if p.grad is not None and bool(p.grad.any())]
@@ -340,113 +284,113 @@ class Accumulator:
             )
 
     def _check_batchnorm(self) -> None:
-        if self._warned_bn:
-            return
-        bn = [
-            type(m).__name__
-            for m in self.model.modules()
-            if isinstance(m, _BatchNorm) and m.training
-        ]
-        if bn:
+        name = None if self._warned_bn else batchnorm_in_training(self.model)
+        if name is not None:
             self._warned_bn = True
             warnings.warn(
-                f"Accumulator: {bn[0]} in training mode normalizes each micro-batch "
+                f"Accumulator: {name} in training mode normalizes each micro-batch "
                 "with its own statistics (and updates running statistics once per "
                 "micro-batch), so the accumulated gradient cannot equal the "
                 "large-batch one; use GroupNorm/LayerNorm, or accept the difference",
                 stacklevel=3,
             )
 
+    def reset(self) -> None:
+        """Discard the open window without stepping: the optimizer's gradients are set to
+        ``None`` and the counts to 0 (e.g. after :meth:`step` refused a window of count 0)."""
+        if self._in_micro:
+            raise GradkitError("Accumulator.reset(): still inside a micro_step block")
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+
     # -- the step ------------------------------------------------------------------------------
 
-    def _global_count(self) -> float:
-        if not self._distributed:
-            return self._count
-        t = torch.tensor(
-            [self._count],
-            dtype=torch.float64,
-            device=self.params[0].device if self.params else "cpu",
-        )
-        dist.all_reduce(t, group=self.group)
-        return float(t.item())
+    def _tally(self) -> tuple[float, float, float, float, list[bool]]:
+        """(count, bad counts, micro-steps, sparse gradients, which parameters have a
+        gradient), summed over the ranks: one small all-reduce."""
+        params = self.params
+        present = [p.grad is not None for p in params]
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in params)
+        values = [self._count, float(len(self._bad)), float(self._micro_steps), float(sparse)]
+        values += [float(h) for h in present]
+        if self._distributed:
+            device = params[0].device if params else torch.device("cpu")
+            values = all_reduce_tally(values, device, self.group)
+        count, bad, micro, sparse_ranks = values[:4]
+        return count, bad, micro, sparse_ranks, [v > 0 for v in values[4:]]
 
-    def _reduce_grads(self, count: float) -> bool:
-        """Turn the summed gradients into the window's gradient: all-reduce if DDP did not
-        (exactly one all-reduce per window), then divide by the total count. Returns whether
-        every gradient is finite (checked in the same pass when no AMP scaler decides)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return True
-        world = dist.get_world_size(self.group) if self._distributed else 1
-        scale = 1.0
-        if self._distributed and not self._last_synced:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        elif self._last_synced:
-            scale = float(world)  # DDP averaged over ranks: undo it, then divide by N
-        if self.normalize != "sum":
-            if count <= 0:
-                raise GradkitError(
-                    "Accumulator.step(): the window's count is 0; pass the "
-                    "number of items with micro_step(count=...)"
-                )
-            scale /= count
-        check = self.scaler is None and self.skip_nonfinite
-        device = grads[0].device
-        fused = all(
-            g.device == device and not g.is_sparse and g.dtype != torch.float64 for g in grads
-        )  # AMP's kernel takes the scale in float32: float64 gradients are scaled exactly below
-        if check and fused:
-            # one fused pass: multiply by `scale` and look for inf/NaN (AMP's own kernel)
-            found = torch.zeros(1, device=device)
-            inv = torch.full((1,), scale, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-            return bool(found.item() == 0)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, scale)
-        return not check or all(bool(torch.isfinite(g).all()) for g in grads)
+    def _finish(self, result: StepResult) -> StepResult:
+        if not result.stepped:
+            self.skipped += 1
+            logger.warning(
+                "Accumulator.step(): window %d skipped (%s)", self.windows, result.skipped_reason
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.windows += 1
+        self._reset_window()
+        return result
 
     def step(self) -> StepResult:
-        """End the window: reduce, normalize, unscale, clip, step (or skip), zero the grads."""
+        """End the window: all-reduce (count and gradients, once), divide by the count,
+        unscale, clip, step (or skip), step the scheduler, zero the grads.
+
+        Raises (leaving gradients, weights and the open window as they were):
+            GradkitError: no micro-step in the window (on any rank), or a window count of 0
+                with ``normalize="examples"``/``"tokens"`` (call :meth:`reset` to drop it).
+        """
+        call = "Accumulator.step()"
         if self._in_micro:
-            raise GradkitError("Accumulator.step(): still inside a micro_step block")
-        if self._micro_steps == 0:
+            raise GradkitError(f"{call}: still inside a micro_step block")
+        count, bad, micro, sparse, present = self._tally()
+        where = " on any rank" if self._distributed else ""
+        if micro == 0:
             raise GradkitError(
-                "Accumulator.step(): no micro-step in this window; run at least "
-                "one `with acc.micro_step(): acc.backward(loss)` first"
+                f"{call}: no micro-step in this window{where}; run at least one "
+                "`with acc.micro_step(): acc.backward(loss)` first"
             )
-        count = self._global_count()
-        finite = self._reduce_grads(count)
-        norm: float | None = None
-        reason: str | None = None
-        stepped = True
+        if bad:
+            return self._finish(StepResult(False, count, self._micro_steps, None, _BAD_COUNT))
+        if self.normalize != "sum" and count == 0:
+            raise GradkitError(
+                f"{call}: the window's count (normalize={self.normalize!r}) is 0{where}, so its "
+                "mean is undefined; pass the number of items with micro_step(count=...), or "
+                "drop the window with acc.reset(); nothing was changed"
+            )
+        if self._distributed and sparse:
+            raise GradkitError(
+                f"{call}: sparse gradients (e.g. nn.Embedding(sparse=True)) are not all-reduced "
+                "across ranks; use dense gradients (sparse=False); nothing was changed"
+            )
+        params = self.params
+        if self._distributed:
+            all_reduce_grads(params, present, self.group)
+        grads = [p.grad for p in params if p.grad is not None]
+        check = self.scaler is None and self.skip_nonfinite
+        finite = divide_(
+            grads,
+            None if self.normalize == "sum" else count,
+            check=check,
+            wide=float64_compensation(self.scaler),
+        )
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        norm: float | None = None
         if self.max_grad_norm is not None:
-            total = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-            norm = float(total)
+            norm = clip_([p.grad for p in params if p.grad is not None], self.max_grad_norm)
         if self.scaler is not None:
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
             if self.scaler.get_scale() < before:
-                stepped, reason = False, "amp overflow"
+                return self._finish(
+                    StepResult(False, count, self._micro_steps, norm, "amp overflow")
+                )
+        elif not finite:
+            return self._finish(
+                StepResult(False, count, self._micro_steps, norm, "non-finite gradient")
+            )
         else:
-            if finite:
-                self.optimizer.step()
-            else:
-                stepped, reason = False, "non-finite gradient"
-        if stepped and self.scheduler is not None:
+            self.optimizer.step()
+        if self.scheduler is not None:
             self.scheduler.step()
-        if not stepped:
-            self.skipped += 1
-            logger.warning("Accumulator.step(): window %d skipped (%s)", self.windows, reason)
-        self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(stepped, count, self._micro_steps, norm, reason)
-        self.windows += 1
-        self._count, self._micro_steps, self._last_synced = 0.0, 0, False
-        return result
+        return self._finish(StepResult(True, count, self._micro_steps, norm))

@@ -8,6 +8,7 @@ exact for any split), only memory and speed, so it can be chosen freely.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,10 +17,47 @@ import torch
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice
-from gradkit.accumulate._micro import _batch_size, _slice
+from gradkit._validate import check_choice, check_module
+from gradkit.accumulate._batches import batch_size, positive_int, positive_real, slice_batch
 
 __all__ = ["AdaptiveBatchSize", "activation_bytes", "find_micro_batch_size"]
+
+
+def _check_loss_fn(loss_fn: Any, call: str) -> None:
+    if not callable(loss_fn):
+        raise TypeError(
+            message(
+                call,
+                "loss_fn",
+                "a callable loss_fn(model, micro_batch) -> summed loss",
+                describe(loss_fn),
+                "pass e.g. loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1], reduction='sum')",
+            )
+        )
+
+
+def _check_loss(loss: Any, call: str) -> torch.Tensor:
+    if (
+        not isinstance(loss, torch.Tensor)
+        or loss.numel() != 1
+        or not loss.is_floating_point()
+        or not loss.requires_grad
+    ):
+        raise ValueError(
+            message(
+                call,
+                "loss_fn",
+                "to return a scalar loss that requires grad (the summed loss of the micro-batch)",
+                describe(loss)
+                + (
+                    " that does not require grad"
+                    if isinstance(loss, torch.Tensor) and not loss.requires_grad
+                    else ""
+                ),
+                "return e.g. loss.sum(), computed from model(micro_batch) outside torch.no_grad()",
+            )
+        )
+    return loss
 
 
 def activation_bytes(
@@ -28,9 +66,20 @@ def activation_bytes(
     """Bytes the forward pass of ``loss_fn(model, micro_batch)`` saves for backward (the
     activation memory of one micro-step): each saved tensor once, parameters excluded.
 
-    The backward runs too (so the graph is freed); gradients the parameters held before are
-    restored afterwards.
+    The backward runs too (so the graph is freed). The model is left as it was: gradients
+    the parameters held before, buffers (e.g. BatchNorm running statistics) and the random
+    number generators (dropout) are restored afterwards.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(10, 20), nn.Tanh())
+        >>> activation_bytes(model, lambda m, b: m(b).sum(), torch.randn(8, 10))  # x, tanh(.)
+        960
     """
+    call = "activation_bytes(model, loss_fn, micro_batch)"
+    check_module(model, call)
+    _check_loss_fn(loss_fn, call)
     seen: dict[tuple[int, int], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -40,15 +89,21 @@ def activation_bytes(
 
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     for p in params:
         p.grad = None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn(model, micro_batch)
-        loss.backward()
+        with torch.random.fork_rng(devices=cuda):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = _check_loss(loss_fn(model, micro_batch), call)
+            loss.backward()
     finally:
         for p, g in zip(params, before, strict=True):
             p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
     param_ptrs = {p.data_ptr() for p in model.parameters()}
     return sum(b for (ptr, _), b in seen.items() if ptr not in param_ptrs)
 
@@ -88,7 +143,20 @@ def find_micro_batch_size(
         16
     """
     call = "find_micro_batch_size(model, loss_fn, batch)"
-    n = _batch_size(batch)
+    check_module(model, call)
+    _check_loss_fn(loss_fn, call)
+    budget: float | None = None
+    if budget_bytes is not None:
+        budget = positive_real(
+            budget_bytes,
+            call,
+            "budget_bytes",
+            "None or a positive, finite number of bytes",
+            "pass e.g. budget_bytes=2 * 1024**3",
+        )
+    if max_size is not None:
+        max_size = positive_int(max_size, call, "max_size", "pass e.g. max_size=64, or None")
+    n = batch_size(batch, call)
     top = min(n, max_size) if max_size is not None else n
     if top < 1:
         raise ValueError(
@@ -96,8 +164,8 @@ def find_micro_batch_size(
                 call, "batch", "at least one example", describe(batch), "pass a non-empty batch"
             )
         )
-    if budget_bytes is None:
-        device = next(model.parameters()).device
+    if budget is None:
+        device = next(iter(model.parameters()), torch.empty(0)).device
         if device.type != "cuda":
             raise ValueError(
                 message(
@@ -111,18 +179,31 @@ def find_micro_batch_size(
         size = top
         while size >= 1:
             try:
-                activation_bytes(model, loss_fn, _slice(batch, 0, size))
+                activation_bytes(model, loss_fn, slice_batch(batch, 0, size))
                 return size
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 size //= 2
         raise GradkitError(f"{call}: even a micro-batch of 1 example runs out of memory")
     probe = min(top, 4)
-    per_example = activation_bytes(model, loss_fn, _slice(batch, 0, probe)) / probe
-    size = top if per_example <= 0 else max(1, min(top, int(budget_bytes // per_example)))
-    while size > 1 and activation_bytes(model, loss_fn, _slice(batch, 0, size)) > budget_bytes:
+    per_example = activation_bytes(model, loss_fn, slice_batch(batch, 0, probe)) / probe
+    size = top if per_example <= 0 else max(1, min(top, int(budget // per_example)))
+    while True:
+        used = activation_bytes(model, loss_fn, slice_batch(batch, 0, size))
+        if used <= budget:
+            return size
+        if size == 1:
+            raise ValueError(
+                message(
+                    call,
+                    "budget_bytes",
+                    f"at least {used} bytes (the activations of a micro-batch of 1 example)",
+                    repr(budget_bytes),
+                    "raise the budget, or make one example cheaper (shorter sequences, "
+                    "activation checkpointing)",
+                )
+            )
         size = max(1, int(size * 0.9) if size > 10 else size - 1)
-    return size
 
 
 @dataclass
@@ -163,18 +244,32 @@ class AdaptiveBatchSize:
 
     def __post_init__(self) -> None:
         call = "AdaptiveBatchSize(...)"
+        self.micro_batch_size = positive_int(
+            self.micro_batch_size, call, "micro_batch_size", "pass e.g. micro_batch_size=8"
+        )
         check_choice(self.rule, ("noise_scale", "cabs"), call, "rule")
-        if self.rule == "cabs" and (self.lr is None or not self.lr > 0):
+        self.min_micro = positive_int(self.min_micro, call, "min_micro", "pass e.g. min_micro=1")
+        self.max_micro = positive_int(self.max_micro, call, "max_micro", "pass e.g. max_micro=64")
+        self.num_micro = positive_int(self.num_micro, call, "num_micro", "pass e.g. num_micro=1")
+        if self.lr is None and self.rule == "cabs":
             raise ValueError(
                 message(
                     call,
                     "lr",
                     "the (positive) learning rate for the CABS rule",
-                    repr(self.lr),
-                    "pass lr=...",
+                    "None",
+                    "pass lr=... (the optimizer's learning rate)",
                 )
             )
-        if not 1 <= self.min_micro <= self.max_micro:
+        if self.lr is not None:
+            self.lr = positive_real(
+                self.lr,
+                call,
+                "lr",
+                "None or the (positive, finite) learning rate",
+                "pass lr=... (the optimizer's learning rate)",
+            )
+        if not self.min_micro <= self.max_micro:
             raise ValueError(
                 message(
                     call,
@@ -184,8 +279,12 @@ class AdaptiveBatchSize:
                     "fix the bounds",
                 )
             )
-        if not 0 <= self.smoothing < 1:
-            raise ValueError(
+        if (
+            isinstance(self.smoothing, bool)
+            or not isinstance(self.smoothing, numbers.Real)
+            or not 0 <= self.smoothing < 1
+        ):
+            raise (ValueError if isinstance(self.smoothing, numbers.Real) else TypeError)(
                 message(
                     call,
                     "smoothing",
@@ -197,18 +296,59 @@ class AdaptiveBatchSize:
         self.num_micro = min(max(self.num_micro, self.min_micro), self.max_micro)
 
     def update(self, stats: Mapping[str, Any], loss: float | torch.Tensor | None = None) -> int:
-        """Read the window's statistics; return the number of micro-batches for the next."""
-        from gradkit.per_example import cabs_batch_size, noise_scale
+        """Read the window's statistics; return the number of micro-batches for the next.
 
+        Args:
+            stats: what :func:`gradkit.per_example.track` (with ``"variance"``) collected over
+                the window: a non-empty mapping of parameter names to statistics.
+            loss: the window's mean loss (a positive number; ``rule="cabs"`` only).
+
+        A non-finite estimate (e.g. a zero mean gradient) leaves the smoothed estimate as it
+        was; it is still logged in :attr:`history`.
+        """
+        from gradkit.per_example import ParamStats, cabs_batch_size, noise_scale
+
+        call = "AdaptiveBatchSize.update(stats, loss)"
+        if (
+            not isinstance(stats, Mapping)
+            or not stats
+            or not all(isinstance(v, ParamStats) for v in stats.values())
+        ):
+            raise TypeError(
+                message(
+                    call,
+                    "stats",
+                    "the non-empty statistics of gradkit.per_example.track(model, 'variance') "
+                    "over the window",
+                    describe(stats)
+                    if not isinstance(stats, Mapping)
+                    else f"{len(stats)} entries" + ("" if stats else " (nothing was tracked)"),
+                    "pass the object `with track(...) as stats` gave, after the window's backward",
+                )
+            )
         if self.rule == "cabs":
             if loss is None:
                 raise ValueError(
                     message(
-                        "AdaptiveBatchSize.update(stats, loss)",
+                        call,
                         "loss",
                         "the window's loss (rule='cabs')",
                         "None",
                         "pass loss=...",
+                    )
+                )
+            if (
+                isinstance(loss, bool)
+                or not isinstance(loss, (numbers.Real, torch.Tensor))
+                or (isinstance(loss, torch.Tensor) and loss.numel() != 1)
+            ):
+                raise TypeError(
+                    message(
+                        call,
+                        "loss",
+                        "the window's loss as a number or a one-element tensor",
+                        describe(loss),
+                        "pass loss=float(mean_loss)",
                     )
                 )
             assert self.lr is not None

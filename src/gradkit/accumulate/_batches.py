@@ -1,0 +1,167 @@
+"""Batches as the loader gives them (a tensor, or a tuple/list/dict of tensors with the
+examples along dimension 0): counting their examples and splitting them into micro-batches.
+
+Index legend: ``n`` examples of the batch, ``k`` micro-batches, ``*`` per-example dims.
+Every tensor of a batch is ``[n, *]`` with the same ``n``; other leaves (strings, numbers,
+``None``) are shared by every micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from gradkit._errors import describe, message
+
+__all__ = ["batch_size", "positive_int", "positive_real", "slice_batch", "split_batch"]
+
+_SPLIT = "split_batch(batch, ...)"
+_EXPECTED = "a tensor, or a tuple, list or dict of tensors with the examples along dimension 0"
+
+
+def positive_int(value: Any, call: str, argument: str, fix: str) -> int:
+    """``value`` as an int >= 1 (``bool`` and floats are refused: ``True`` is not a size)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(message(call, argument, "a positive int", repr(value), fix))
+    if value < 1:
+        raise ValueError(message(call, argument, "a positive int", repr(value), fix))
+    return int(value)
+
+
+def positive_real(value: Any, call: str, argument: str, expected: str, fix: str) -> float:
+    """``value`` as a finite float > 0 (``bool`` and strings refused with ``TypeError``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(message(call, argument, expected, repr(value), fix))
+    if not 0 < float(value) < math.inf:  # also NaN
+        raise ValueError(message(call, argument, expected, repr(value), fix))
+    return float(value)
+
+
+def _leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            yield from _leaves(value, f"{path}[{i}]")
+
+
+def batch_size(batch: Any, call: str = _SPLIT) -> int:
+    """The number of examples ``n`` of ``batch``: dimension 0 of its tensors, which must agree.
+
+    Examples:
+        >>> import torch
+        >>> batch_size({"x": torch.zeros(5, 3), "y": torch.zeros(5)})
+        5
+        >>> batch_size((torch.zeros(5, 3), torch.zeros(4)))
+        Traceback (most recent call last):
+        ...
+        ValueError: split_batch(batch, ...): batch: expected tensors with the same number of ...
+    """
+    leaves = list(_leaves(batch, "batch"))
+    if not leaves:
+        raise TypeError(
+            message(
+                call, "batch", _EXPECTED, describe(batch), "pass the batch as the loader gives it"
+            )
+        )
+    for path, t in leaves:
+        if t.dim() == 0:
+            raise ValueError(
+                message(
+                    call,
+                    path,
+                    "a tensor with the examples along dimension 0",
+                    "a 0-dimensional tensor",
+                    "give every tensor of the batch a leading examples dimension (t[None] for one "
+                    "example)",
+                )
+            )
+    sizes = {path: int(t.shape[0]) for path, t in leaves}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{p}: {n}" for p, n in sizes.items())
+        raise ValueError(
+            message(
+                call,
+                "batch",
+                "tensors with the same number of examples (dimension 0)",
+                listed,
+                "pass inputs and targets of the same length; slicing them together would pair "
+                "examples with the wrong targets and leave some micro-batches empty",
+            )
+        )
+    return next(iter(sizes.values()))
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Examples ``start:stop`` of every tensor of ``batch`` (other leaves shared)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, start, stop) for v in batch)
+    return batch  # non-tensor leaves are shared by every micro-batch
+
+
+def split_batch(
+    batch: Any, *, micro_batch_size: int | None = None, num_micro_batches: int | None = None
+) -> list[Any]:
+    """Split a batch into micro-batches: of ``micro_batch_size`` examples (the last may be
+    shorter), or ``num_micro_batches`` parts whose sizes differ by at most one.
+
+    Every tensor of the batch must have the same number of examples ``n`` (dimension 0). No
+    micro-batch is empty: ``num_micro_batches > n`` gives ``n`` micro-batches of one example,
+    and an empty batch gives ``[]``.
+
+    Args:
+        batch: a tensor ``[n, *]``, or a tuple/list/dict of them (nested is fine).
+        micro_batch_size: examples per micro-batch (a positive int), or
+        num_micro_batches: the number of micro-batches (a positive int).
+
+    Returns:
+        the micro-batches, each of the batch's structure.
+
+    Examples:
+        >>> import torch
+        >>> [m.shape[0] for m in split_batch(torch.zeros(10, 3), micro_batch_size=4)]
+        [4, 4, 2]
+        >>> [m.shape[0] for m in split_batch(torch.zeros(10, 3), num_micro_batches=4)]
+        [3, 3, 2, 2]
+        >>> [m[1].shape[0] for m in split_batch((torch.zeros(5), torch.ones(5)),
+        ...                                     num_micro_batches=2)]
+        [3, 2]
+    """
+    if (micro_batch_size is None) == (num_micro_batches is None):
+        raise ValueError(
+            message(
+                _SPLIT,
+                "micro_batch_size / num_micro_batches",
+                "exactly one of them",
+                f"{micro_batch_size!r} / {num_micro_batches!r}",
+                "pass e.g. micro_batch_size=8",
+            )
+        )
+    if micro_batch_size is not None:
+        size = positive_int(
+            micro_batch_size, _SPLIT, "micro_batch_size", "pass e.g. micro_batch_size=8"
+        )
+        n = batch_size(batch)
+        return [slice_batch(batch, s, min(s + size, n)) for s in range(0, n, size)]
+    parts = positive_int(
+        num_micro_batches, _SPLIT, "num_micro_batches", "pass e.g. num_micro_batches=4"
+    )
+    n = batch_size(batch)
+    k = min(parts, n)
+    out, start = [], 0
+    for i in range(k):
+        stop = start + n // k + (1 if i < n % k else 0)
+        out.append(slice_batch(batch, start, stop))
+        start = stop
+    return out

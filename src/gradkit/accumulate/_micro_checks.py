@@ -1,0 +1,273 @@
+"""Checks of the arguments of :class:`~gradkit.accumulate.Accumulator` and its methods: the
+constructor's arguments, a micro-step's count and loss, DDP's forward, BatchNorm. Every
+message names the call, the argument, what was expected and received, and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradkit._errors import GradkitError, describe, message
+
+__all__ = [
+    "as_count",
+    "batchnorm_in_training",
+    "check_ddp_forward",
+    "check_loss",
+    "check_max_grad_norm",
+    "check_optimizer_covers",
+    "check_scaler",
+    "check_scheduler",
+    "find_ddp",
+    "is_bad",
+    "resolve_count",
+]
+
+
+def as_count(value: Any, call: str) -> float:
+    """A micro-step's ``count`` as a float: an int, a float or a 0-d real tensor (e.g.
+    ``(labels != -100).sum()``). NaN, inf and negative values are returned as they are: the
+    caller treats them like a non-finite gradient."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            raise TypeError(
+                message(
+                    call,
+                    "count",
+                    "a number, or a one-element real tensor holding it",
+                    describe(value) + (" on the meta device" if value.is_meta else ""),
+                    "pass e.g. count=int((labels != -100).sum())",
+                )
+            )
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            message(
+                call,
+                "count",
+                "a number (the items whose summed loss this micro-step backpropagates)",
+                repr(value),
+                "pass e.g. count=len(micro_batch) or the number of non-padding tokens",
+            )
+        )
+    return float(value)
+
+
+def is_bad(count: float) -> bool:
+    """A count that cannot normalize a window: NaN, inf or negative."""
+    return math.isnan(count) or math.isinf(count) or count < 0
+
+
+def resolve_count(
+    count: Any, pending: int | None, normalize: str, skip_nonfinite: bool, call: str
+) -> float:
+    """The count of a micro-step: ``count`` itself, else the examples of the micro-batch
+    ``split`` just yielded (``pending``). A bad count (:func:`is_bad`) raises unless the
+    window is to be skipped for it (``skip_nonfinite``)."""
+    if count is None:
+        if normalize == "tokens":
+            raise ValueError(
+                message(
+                    call,
+                    "count",
+                    "the number of tokens of this micro-batch (normalize='tokens')",
+                    "None",
+                    "pass count=number of non-padding tokens",
+                )
+            )
+        if normalize == "examples" and pending is None:
+            raise ValueError(
+                message(
+                    call,
+                    "count",
+                    "the number of examples of this micro-batch",
+                    "None",
+                    "pass count=len(micro_batch) or iterate over acc.split(batch, ...)",
+                )
+            )
+        return float(pending or 0)
+    value = as_count(count, call)
+    if is_bad(value) and not skip_nonfinite:
+        raise ValueError(
+            message(
+                call,
+                "count",
+                "a finite number >= 0",
+                repr(value),
+                "pass the number (or total weight) of the items the summed loss covers; "
+                "nothing was changed (with skip_nonfinite=True the window is skipped instead)",
+            )
+        )
+    return value
+
+
+def check_max_grad_norm(value: Any, call: str) -> float | None:
+    """``None`` or a number > 0 (``inf``: report the norm without clipping)."""
+    if value is None:
+        return None
+    fix = "pass e.g. max_grad_norm=1.0 (or float('inf') to only report the norm)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            message(call, "max_grad_norm", "None or a positive number", repr(value), fix)
+        )
+    if not float(value) > 0:  # also NaN
+        raise ValueError(
+            message(call, "max_grad_norm", "None or a positive number", repr(value), fix)
+        )
+    return float(value)
+
+
+def check_optimizer_covers(model: nn.Module, optimizer: torch.optim.Optimizer, call: str) -> None:
+    """Refuse an optimizer that holds none of the model's trainable parameters: every step
+    would leave the model as it was."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    model_name, opt_name = type(model).__name__, type(optimizer).__name__
+    if not trainable:
+        raise ValueError(
+            message(
+                call,
+                "model",
+                "a model with trainable parameters (requires_grad=True)",
+                f"{model_name} with none",
+                "unfreeze the parameters to train (p.requires_grad_(True)) before building the "
+                "optimizer",
+            )
+        )
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(p.is_meta for p in held):
+        raise ValueError(
+            message(
+                call,
+                "optimizer",
+                "parameters that hold data",
+                f"{opt_name} over parameters on the meta device (shapes only)",
+                "materialize the model first (model.to_empty(device=...) and load the weights), "
+                "then build the optimizer",
+            )
+        )
+    if not any(id(p) in trainable for p in held):
+        raise ValueError(
+            message(
+                call,
+                "optimizer",
+                f"an optimizer over trainable parameters of the model ({model_name})",
+                f"{opt_name} over {len(held)} tensor(s), none of them a trainable parameter of "
+                f"the {model_name}",
+                "build the optimizer from this model's parameters, e.g. "
+                f"torch.optim.{opt_name}(model.parameters(), ...); a copied or re-created model "
+                "has new parameters and needs a new optimizer",
+            )
+        )
+
+
+def check_scaler(scaler: Any, call: str) -> None:
+    """``None`` or a ``torch.amp.GradScaler``-like object."""
+    needed = ("scale", "unscale_", "step", "update", "get_scale")
+    if scaler is not None and not all(callable(getattr(scaler, n, None)) for n in needed):
+        raise TypeError(
+            message(
+                call,
+                "scaler",
+                "None or a torch.amp.GradScaler (with " + ", ".join(needed) + ")",
+                describe(scaler),
+                "pass e.g. scaler=torch.amp.GradScaler('cuda')",
+            )
+        )
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, call: str) -> None:
+    """``None`` or a learning-rate scheduler (``.step()``) of this very optimizer."""
+    if scheduler is None:
+        return
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            message(
+                call,
+                "scheduler",
+                "None or a learning-rate scheduler with a step() method",
+                describe(scheduler),
+                "pass e.g. scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 10)",
+            )
+        )
+    owner = getattr(scheduler, "optimizer", None)
+    if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
+        raise ValueError(
+            message(
+                call,
+                "scheduler",
+                "a scheduler of the optimizer passed to the Accumulator",
+                f"a {type(scheduler).__name__} of another {type(owner).__name__}",
+                "build the scheduler from the same optimizer object",
+            )
+        )
+
+
+def batchnorm_in_training(model: nn.Module) -> str | None:
+    """The class name of a BatchNorm layer of ``model`` in training mode, if any."""
+    for m in model.modules():
+        if isinstance(m, _BatchNorm) and m.training:
+            return type(m).__name__
+    return None
+
+
+def check_loss(loss: Any, call: str) -> None:
+    """A micro-step's loss: a real floating-point scalar that requires grad."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            message(
+                call,
+                "loss",
+                "a scalar tensor (the sum of the micro-batch's losses)",
+                describe(loss),
+                "reduce with .sum()",
+            )
+        )
+    if not loss.is_floating_point():
+        raise TypeError(
+            message(call, "loss", "a real floating-point scalar", describe(loss), "pass the loss")
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            message(
+                call,
+                "loss",
+                "a loss computed from the model's parameters (requires_grad=True)",
+                "a tensor that does not require grad",
+                "compute it inside the block, outside torch.no_grad() and without .detach()",
+            )
+        )
+
+
+def find_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` of ``model``: itself, or the one ``torch.compile``
+    wrapped (``_orig_mod``)."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, nn.parallel.DistributedDataParallel) else None
+
+
+def check_ddp_forward(model: nn.Module, call: str) -> None:
+    """Refuse a backward whose forward ran outside DDP's ``no_sync`` (DDP then all-reduces in
+    the backward, on top of the explicit all-reduce of ``step``). DDP sets
+    ``require_forward_param_sync`` in each forward: False under ``no_sync``."""
+    ddp = find_ddp(model)
+    if ddp is None:
+        return
+    model = ddp
+    if getattr(model, "_delay_all_reduce_all_params", False) or getattr(
+        model, "_use_python_reducer", False
+    ):
+        return
+    if getattr(model, "require_forward_param_sync", False):
+        raise GradkitError(
+            f"{call}: the last forward of the DistributedDataParallel model ran outside "
+            "`with acc.micro_step(...)`, so DDP would all-reduce in this backward (on top of "
+            "step()'s one all-reduce); run model(...) inside the block. If you call "
+            "model.module directly, pass the unwrapped module to Accumulator instead: it "
+            "all-reduces over the process group itself"
+        )
