@@ -40,9 +40,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradkit._errors import GradkitError, message
 from gradkit.per_example._layout import CallLayout
 
-__all__ = ["Call", "Dims", "ModelCall", "split_call"]
+__all__ = ["Call", "Dims", "ModelCall", "disagree_error", "mismatch_error", "split_call"]
 
 
 @dataclass
@@ -56,6 +57,23 @@ class ModelCall:
     merged: dict[Any, int] = field(default_factory=dict)  # graph node -> positions per example
     # expanded outputs: (call, graph node, batch dimension, "name (Class)" of the module)
     expanded: list[tuple[Any, Any, int, str]] = field(default_factory=list)
+    first: Any = None  # the input n was read from, until the first tracked call looked at it
+    dim: int | None = None  # where n was read in it
+    uses: int = 0  # tracked module calls made during this model call
+
+    def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
+        """At the first tracked call: if it takes the model's input itself and its documented
+        layout puts the examples elsewhere than ``batch_dim`` (a sequence-first RNN or
+        attention, or a layer of a sequence-first transformer block, called on the model's
+        ``[T, N, ...]`` input), ``n`` is read there instead."""
+        first, self.first = self.first, None
+        if self.trusted is not None or first is None:
+            return
+        for t, d in zip(leaves, dims, strict=True):
+            if t is first and d is not None and d != self.dim:
+                self.n, self.dim = int(t.shape[d]), d
+                self.example_shape = tuple(t.shape[:d] + t.shape[d + 1 :])
+                return
 
     def confirm(self, n_first: int | None) -> None:
         """The first tracked module call had ``n_first`` examples: ``n`` is trusted if it
@@ -98,7 +116,7 @@ def _merged(
     tensors: list[torch.Tensor], rows: int | None, n: int, allowed: bool, model: Any
 ) -> int | None:
     """Positions per example if a call on ``rows`` rows is the merged ``[n, T]`` case."""
-    if not allowed or rows is None or rows % n or rows == n:
+    if not allowed or rows is None or n == 0 or rows % n or rows == n:
         return None
     grads = [t for t in tensors if t.requires_grad and t.dim() >= 2 and t.shape[0] == rows]
     if not grads:
@@ -137,6 +155,15 @@ def _merged_call(
         out_spec=out_spec,
         positions=positions,
     )
+
+
+def _dims_text(dims: list[int | None], batch_dim: int) -> str:
+    found = sorted({d for d in dims if d is not None})
+    if not found:
+        return f"none: batch_dim={batch_dim} is beyond their dimensions"
+    if found == [batch_dim]:
+        return f"batch_dim={batch_dim}"
+    return "dimension " + ", ".join(map(str, found)) + " by the layer's own layout"
 
 
 def _size(t: Any, d: int | None) -> int | None:
@@ -246,6 +273,7 @@ def split_call(
     n_mod = next(iter(sizes)) if len(sizes) == 1 else None
     n_model = None
     if model is not None:
+        model.adopt(in_leaves, layout.inputs)
         model.confirm(n_mod)
         n_model = model.n if model.trusted else None
     n = n_model if n_model is not None else n_mod
@@ -278,9 +306,14 @@ def split_call(
             mode=mode,
             out_spec=out_spec,
             problem=(
-                f"returned outputs of shapes {shapes} whose batch dimensions have sizes "
-                f"{sorted(s for s in sizes if s is not None)} while the model was called on "
-                f"{n_model} examples (batch_dim={batch_dim})"
+                f"returned outputs of shapes {shapes} holding "
+                f"{sorted(s for s in sizes if s is not None)} examples along their batch "
+                f"dimension ({_dims_text(layout.output, batch_dim)}), while the model's input "
+                + (
+                    f"holds {n_model} examples along dimension {model.dim}"
+                    if model is not None and n_model is not None
+                    else "gives no number of examples"
+                )
             ),
         )
     assert n is not None
@@ -327,4 +360,50 @@ def split_call(
         replaced,
         mode,
         out_spec=out_spec,
+    )
+
+
+def mismatch_error(problems: list[str]) -> GradkitError:
+    """The error for calls that cannot be split by example (``"name (Class) problem"`` each)."""
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "batch_dim",
+            "every tracked layer's outputs to hold the model's examples along their batch "
+            "dimension",
+            "; ".join(problems),
+            "pass batch_dim=... where the examples are (an int, or per submodule: "
+            "batch_dim={'': 1, 'head': 0}); a layer that mixes examples or sees them reshaped "
+            "untraceably ([T, N, d] flattened to [T * N, d]) cannot be split: freeze its "
+            "parameters (requires_grad_(False)) or register a rule for it",
+        )
+    )
+
+
+def disagree_error(sizes: list[tuple[str, int]]) -> GradkitError:
+    """The error for calls of one backward pass with different numbers of examples."""
+    labels = {k for k, _ in sizes}
+    if len(labels) == 1:
+        return GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                "the model's calls",
+                "calls on one batch between two backward passes (they are taken as uses on "
+                "the same examples: weight tying)",
+                f"{labels.pop()} called on batches of sizes {sorted({n for _, n in sizes})} "
+                "before one backward",
+                "run backward after each micro-batch",
+            )
+        )
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "batch_dim",
+            "one number of examples for every tracked layer in a backward pass",
+            ", ".join(f"{k}: {v}" for k, v in sizes) + " (layer: examples)",
+            "pass batch_dim=... where the examples are in each layer's input and output (an "
+            "int, or per submodule); RNNs, attention, convolutions and torch.nn transformer "
+            "blocks are read by their own layout. Calls of the model on different batches "
+            "need a backward pass each",
+        )
     )

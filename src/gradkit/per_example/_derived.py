@@ -9,40 +9,100 @@ batch size, and the per-parameter summary table.
   over the entries of a parameter.
 * CABS (Balles et al. 2017, "Coupling Adaptive Batch Sizes with Learning Rates"):
   ``B = lr * tr(Sigma) / loss``.
+
+A parameter the loss never reached has a zero gradient for every example: it adds 0 to
+``tr(Sigma)`` and to ``|G|^2``, and its own ratios are ``0 / 0``: ``nan`` (the summary table
+marks it ``zero gradient``), as is the noise scale over parameters whose gradients are all 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
-from gradkit._errors import message
+from gradkit._errors import describe, message
 from gradkit._validate import check_choice
 from gradkit.per_example._stats import ParamStats
 
 __all__ = ["cabs_batch_size", "gradient_snr", "noise_scale", "summary_table"]
 
 
-def _select(stats: Mapping[str, ParamStats], names: Iterable[str] | None) -> list[ParamStats]:
-    keys = list(stats) if names is None else list(names)
+def _select(stats: Any, names: Any, call: str) -> list[ParamStats]:
+    """The statistics of ``names`` (default: all), after checking both arguments."""
+    if not isinstance(stats, Mapping) or not all(
+        isinstance(stats[k], ParamStats) for k in list(stats)[:1]
+    ):
+        raise TypeError(
+            message(
+                call,
+                "stats",
+                "the tracker of a track block (a mapping of name -> ParamStats)",
+                describe(stats),
+                "pass what `with gradkit.per_example.track(model, ...) as stats` gave",
+            )
+        )
+    if names is None:
+        keys = list(stats)
+    elif isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            message(
+                call,
+                "names",
+                "an iterable of parameter names",
+                describe(names),
+                f"pass a list, e.g. names=[{names!r}]",
+            )
+        )
+    else:
+        keys = list(names)
+    if not keys:
+        argument, fix = (
+            ("names", "pass names=None for all")
+            if names is not None
+            else (
+                "stats",
+                "track at least one parameter",
+            )
+        )
+        raise ValueError(message(call, argument, "at least one parameter", "none", fix))
+    missing = [k for k in keys if k not in stats]
+    if missing:
+        raise ValueError(
+            message(
+                call,
+                "names",
+                f"names of tracked parameters: {list(stats)}",
+                repr(missing),
+                "use names from list(stats)",
+            )
+        )
     return [stats[k] for k in keys]
 
 
-def _trace_and_norm(
-    stats: Mapping[str, ParamStats], names: Iterable[str] | None
-) -> tuple[float, float]:
+def _trace_and_norm(stats: Any, names: Any, call: str) -> tuple[float, float]:
     tr = norm2 = 0.0
-    for s in _select(stats, names):
+    for s in _select(stats, names, call):
         tr += float(s.var(unbiased=True).sum())
         norm2 += float(s.mean.double().square().sum())
     return tr, norm2
 
 
+def _ratio(tr: float, norm2: float) -> float:
+    """``tr / norm2``: ``inf`` for a zero mean with noise, ``nan`` for ``0 / 0`` (every
+    gradient 0: undefined, and non-finite so that no caller takes it for a batch size)."""
+    if norm2 > 0:
+        return tr / norm2
+    return float("inf") if tr > 0 else float("nan")
+
+
 def noise_scale(stats: Mapping[str, ParamStats], names: Iterable[str] | None = None) -> float:
     """``B_simple = tr(Sigma) / |G|^2`` over the parameters ``names`` (default: all tracked).
 
-    Needs ``"variance"`` tracked and at least two examples.
+    Needs ``"variance"`` tracked and at least two examples. ``inf`` when the mean gradient is 0
+    but the individual ones are not; ``nan`` when every individual gradient is 0.
 
     Examples:
         >>> import torch
@@ -54,8 +114,7 @@ def noise_scale(stats: Mapping[str, ParamStats], names: Iterable[str] | None = N
         >>> gradkit.per_example.noise_scale(stats) > 0
         True
     """
-    tr, norm2 = _trace_and_norm(stats, names)
-    return tr / norm2 if norm2 > 0 else float("inf")
+    return _ratio(*_trace_and_norm(stats, names, "noise_scale(stats, names)"))
 
 
 def gradient_snr(
@@ -63,15 +122,29 @@ def gradient_snr(
 ) -> dict[str, float]:
     """Per parameter: ``mean^2 / variance`` per entry (unbiased variance; entries with zero
     variance are left out), reduced over entries by ``"mean"`` (Liu et al. 2020) or
-    ``"median"`` (robust to a few entries of tiny variance)."""
+    ``"median"`` (robust to a few entries of tiny variance). A parameter with zero variance
+    everywhere gives ``inf``, or ``nan`` if its mean is 0 too (a zero gradient for every
+    example).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import gradkit
+        >>> model = nn.Linear(4, 1)
+        >>> with gradkit.per_example.track(model, "variance") as stats:
+        ...     model(torch.randn(16, 4)).pow(2).mean().backward()
+        >>> sorted(gradkit.per_example.gradient_snr(stats))
+        ['bias', 'weight']
+    """
     check_choice(reduction, ("mean", "median"), "gradient_snr(stats)", "reduction")
     out = {}
-    for s in _select(stats, names):
+    for s in _select(stats, names, "gradient_snr(stats, names)"):
         var = s.var(unbiased=True).double()
+        mean = s.mean.double()
         ok = var > 0
-        ratio = s.mean.double()[ok].square() / var[ok]
+        ratio = mean[ok].square() / var[ok]
         if not ratio.numel():
-            out[s.name] = float("inf")
+            out[s.name] = float("inf") if bool(mean.ne(0).any()) else float("nan")
         else:
             out[s.name] = float(ratio.mean() if reduction == "mean" else ratio.median())
     return out
@@ -87,7 +160,54 @@ def cabs_batch_size(
     names: Iterable[str] | None = None,
 ) -> int:
     """The CABS batch size ``lr * tr(Sigma) / loss``, rounded and clipped to
-    ``[min_size, max_size]`` (Balles et al. 2017)."""
+    ``[min_size, max_size]`` (Balles et al. 2017).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import gradkit
+        >>> model = nn.Linear(4, 1)
+        >>> with gradkit.per_example.track(model, "variance") as stats:
+        ...     loss = model(torch.randn(16, 4)).pow(2).mean()
+        ...     loss.backward()
+        >>> gradkit.per_example.cabs_batch_size(stats, 0.1, loss, max_size=1024) >= 1
+        True
+    """
+    call = "cabs_batch_size(stats, lr, loss)"
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(
+            message(call, "lr", "a positive finite learning rate", describe(lr), "pass e.g. 0.1")
+        )
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        raise ValueError(
+            message(call, "min_size", "an int >= 1", describe(min_size), "pass e.g. min_size=1")
+        )
+    if max_size is not None and (
+        isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < min_size
+    ):
+        raise ValueError(
+            message(
+                call,
+                "max_size",
+                f"None or an int >= min_size ({min_size})",
+                describe(max_size),
+                "pass a larger max_size, or None",
+            )
+        )
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+        raise ValueError(
+            message(
+                call,
+                "loss",
+                "a scalar (the current training loss)",
+                describe(loss),
+                "pass the reduced loss, e.g. loss.mean()",
+            )
+        )
+    if not isinstance(loss, (torch.Tensor, int, float)) or isinstance(loss, bool):
+        raise TypeError(
+            message(call, "loss", "a number or a scalar tensor", describe(loss), "pass loss.item()")
+        )
     loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     if not loss_value > 0:
         raise ValueError(
@@ -100,34 +220,35 @@ def cabs_batch_size(
                 "current (positive) training loss",
             )
         )
-    tr, _ = _trace_and_norm(stats, names)
+    tr, _ = _trace_and_norm(stats, names, call)
     size = round(lr * tr / loss_value)
     size = max(min_size, size)
     return size if max_size is None else min(size, max_size)
 
 
 def summary_table(stats: Mapping[str, ParamStats]) -> str:
-    """A plain-text per-parameter table: |mean|, tr(var), SNR, noise scale."""
+    """A plain-text per-parameter table: |mean|, tr(var), SNR, noise scale. A parameter whose
+    gradient is 0 for every example (the loss did not reach it) shows 0, 0 and ``zero
+    gradient``; without ``"variance"`` tracked, or with fewer than 2 examples (the unbiased
+    variance), the last column says so."""
     rows = [("parameter", "N", "|mean|", "tr(var)", "SNR", "noise scale")]
     for name in stats:
         s = stats[name]
-        try:
-            mean_norm = float(s.mean.double().norm())
-            tr = float(s.var(unbiased=True).double().sum())
-            snr = gradient_snr(stats, [name])[name]
-            ns = tr / mean_norm**2 if mean_norm > 0 else float("inf")
-            rows.append(
-                (
-                    name,
-                    str(s.num_examples),
-                    f"{mean_norm:.4g}",
-                    f"{tr:.4g}",
-                    f"{snr:.4g}",
-                    f"{ns:.4g}",
-                )
-            )
-        except Exception as err:  # quantity not tracked: show what is missing
-            rows.append((name, str(s.num_examples), "-", "-", "-", type(err).__name__))
+        n = s.num_examples
+        if not {1, 2} <= set(s.powers()):
+            rows.append((name, str(n), "-", "-", "-", "track 'variance'"))
+            continue
+        if n < 2:
+            rows.append((name, str(n), "-", "-", "-", "needs N >= 2"))
+            continue
+        mean_norm = float(s.mean.double().norm())
+        tr = float(s.var(unbiased=True).double().sum())
+        if mean_norm == 0 and tr == 0:
+            rows.append((name, str(n), "0", "0", "-", "zero gradient"))
+            continue
+        snr = gradient_snr(stats, [name])[name]
+        ns = tr / mean_norm**2 if mean_norm > 0 else float("inf")
+        rows.append((name, str(n), f"{mean_norm:.4g}", f"{tr:.4g}", f"{snr:.4g}", f"{ns:.4g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

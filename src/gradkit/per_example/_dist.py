@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from gradkit._errors import GradkitError, message
 
 if TYPE_CHECKING:
     from gradkit.per_example._stats import Want, _Acc
@@ -35,9 +38,29 @@ def all_reduce_accs(accs: list[_Acc], want: Want, group: Any) -> None:
     contributes zeros), so no rank waits forever on another.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "Tracker.all_reduce(group): torch.distributed is not initialized; "
-            "call torch.distributed.init_process_group first"
+        raise GradkitError(
+            message(
+                "stats.all_reduce(group)",
+                "group",
+                "a process group of an initialized torch.distributed",
+                "torch.distributed not initialized",
+                "call torch.distributed.init_process_group first (every rank)",
+            )
+        )
+    # the same tracked shapes and quantities on every rank, or every rank raises (no hang)
+    layout = repr(([tuple(a.shape) for a in accs], sorted(want.quantities), want.moments))
+    mine = torch.tensor([len(accs), zlib.crc32(layout.encode())], dtype=torch.long)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(other, mine) for other in every):
+        raise GradkitError(
+            message(
+                "stats.all_reduce(group)",
+                "stats",
+                "the same tracked parameters (shapes) and quantities on every rank",
+                "ranks that differ",
+                "call track() with the same model and arguments on every rank",
+            )
         )
     for acc in accs:
         n = torch.tensor([acc.n], dtype=torch.long)

@@ -13,18 +13,26 @@ layer count of 2 over a micro-batch of 2 examples is no batch dimension):
   all examples;
 * ``nn.EmbeddingBag``: the output ``0``; a 2-D input and its ``per_sample_weights`` ``0``; a flat
   input with ``offsets`` (or a nested one) has no batch dimension (the bags are the examples);
+* ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose*`` and ``nn.GroupNorm`` on a batched input
+  ``[N, C, *spatial]``: ``0`` (the only place these layers accept a batch);
 * a module inside a ``torch.nn`` transformer block (``TransformerEncoderLayer``,
   ``TransformerDecoderLayer``, their stacks, ``Transformer``): ``0`` if the block is
   ``batch_first`` else ``1`` (its Linear and LayerNorm layers see ``[T, N, E]``);
-* every other module: ``batch_dim`` (``track``'s argument) for every tensor with more
-  dimensions than that.
+* every other module: ``batch_dim`` (``track``'s argument; a mapping gives it per submodule)
+  for every tensor with more dimensions than that.
 
+A ``batch_dim`` that names a dimension a layer reads as features (the last dimension of a
+Linear's input, the normalized dimensions of a LayerNorm) is refused at the forward call
+(:func:`check_feature_dims`): split there, the statistics would be those of another quantity.
+Sizes alone cannot tell a ``[T, N, d]`` tensor from an ``[N, T, d]`` one when ``T == N``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -32,9 +40,20 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
-from gradkit._errors import GradkitError
+from gradkit._errors import GradkitError, describe, message
 
-__all__ = ["CallLayout", "call_layout", "inner_batch_dims"]
+__all__ = [
+    "CallLayout",
+    "LossReduction",
+    "backward_roots",
+    "call_layout",
+    "check_feature_dims",
+    "check_loss_reduction",
+    "inner_batch_dims",
+    "loss_reductions",
+    "parse_batch_dim",
+    "reaches",
+]
 
 
 @dataclass
@@ -123,6 +142,16 @@ def _bag(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> CallLayo
     return CallLayout(_call(args, kwargs, dim_of), _dims(output, 0))
 
 
+def _channels_first(module: nn.Module, args: tuple[Any, ...]) -> bool:
+    """A convolution or GroupNorm called on a batched ``[N, C, *spatial]`` input."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor):
+        return False
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return x.dim() == module.weight.dim()  # unbatched: [C, *spatial]
+    return isinstance(module, nn.GroupNorm) and x.dim() >= 2
+
+
 def call_layout(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, batch_dim: int
 ) -> CallLayout:
@@ -133,7 +162,56 @@ def call_layout(
         return _attention(module, args, kwargs, output)
     if isinstance(module, nn.EmbeddingBag):
         return _bag(args, kwargs, output)
+    if batch_dim != 0 and _channels_first(module, args):
+        batch_dim = 0
     return CallLayout(_dims((args, kwargs), batch_dim), _dims(output, batch_dim))
+
+
+_RMS_NORM: tuple[type, ...] = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
+
+
+def _feature_dims(module: nn.Module) -> int | None:
+    """How many trailing dimensions of the module's first input are features."""
+    if isinstance(module, nn.Linear):
+        return 1
+    if isinstance(module, (nn.LayerNorm, *_RMS_NORM)):
+        return len(tuple(module.normalized_shape))  # type: ignore[arg-type]
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' Conv1D
+        return 1
+    return None
+
+
+def check_feature_dims(
+    name: str, module: nn.Module, args: tuple[Any, ...], layout: CallLayout, batch_dim: int
+) -> None:
+    """Refuse a batch dimension that falls on the features of a Linear (or ``Conv1D``),
+    LayerNorm or RMSNorm input: ``batch_dim=1`` on a batch-first ``[N, d]`` input would split
+    the examples along the ``d`` input features (and, when ``d == N``, silently so)."""
+    features = _feature_dims(module)
+    x = args[0] if args else None
+    if features is None or not isinstance(x, torch.Tensor) or not layout.inputs:
+        return
+    dim = layout.inputs[0]
+    if dim is None or dim < x.dim() - features:
+        return
+    label = f"{name or 'model'} ({type(module).__name__})"
+    first = x.dim() - features
+    where = f"one of its dimensions 0..{first - 1}" if first > 0 else "a batch dimension"
+    raise GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "batch_dim",
+            f"the examples of {label}'s input {tuple(x.shape)} in {where} (its last {features} "
+            "dimension(s) are features)",
+            f"batch_dim={batch_dim}, its dimension {dim}: {x.shape[dim]} features taken for "
+            "examples",
+            "pass the dimension where the examples are (batch_dim=0 for batch-first data; "
+            "RNNs, attention, convolutions and torch.nn transformer blocks are read by their "
+            "own layout whatever batch_dim says); where layers see the examples in different "
+            "dimensions, give it per submodule, e.g. batch_dim={'': 1, "
+            f"'{name or 'head'}': 0}}",
+        )
+    )
 
 
 def _block_batch_first(module: nn.Module) -> bool | None:
@@ -147,16 +225,197 @@ def _block_batch_first(module: nn.Module) -> bool | None:
     return None
 
 
-def inner_batch_dims(modules: dict[str, nn.Module], batch_dim: int) -> dict[str, int]:
+def parse_batch_dim(
+    batch_dim: Any, modules: Mapping[str, nn.Module], call: str
+) -> tuple[int, dict[str, int]]:
+    """Check ``track``'s ``batch_dim`` (an int, or a mapping from submodule names to ints,
+    ``""`` for the model's inputs): ``(the model's, per named submodule)``."""
+    fix = "pass the index of the batch dimension, e.g. batch_dim=1 for [T, N, ...] inputs"
+    items = dict(batch_dim) if isinstance(batch_dim, Mapping) else {"": batch_dim}
+    for name, dim in items.items():
+        argument = "batch_dim" if not isinstance(batch_dim, Mapping) else f"batch_dim[{name!r}]"
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise (ValueError if isinstance(dim, int) else TypeError)(
+                message(call, argument, "a non-negative int", describe(dim), fix)
+            )
+        if name not in modules:
+            known = [k for k in modules if k][:8]
+            raise ValueError(
+                message(
+                    call,
+                    "batch_dim",
+                    f"keys naming submodules of the model ('' for the model's inputs), such as "
+                    f"{known}",
+                    repr(name),
+                    "use the names of model.named_modules()",
+                )
+            )
+    return items.get("", 0), {k: v for k, v in items.items() if k}
+
+
+def inner_batch_dims(
+    modules: dict[str, nn.Module], batch_dim: int, given: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """The batch dimension of the tensors each module (by name, as ``named_modules()``) sees:
-    set by the nearest enclosing torch.nn transformer block, else ``batch_dim``."""
+    ``given[name]`` if the caller named it, else that of the nearest enclosing torch.nn
+    transformer block or named module, else ``batch_dim``."""
+    given = given or {}
     dims: dict[str, int] = {}
     for name, module in modules.items():  # parents come before their children
         first = _block_batch_first(module)
-        if first is not None:
+        if name in given:
+            dims[name] = given[name]
+        elif first is not None:
             dims[name] = 0 if first else 1
         elif name:
             dims[name] = dims.get(name.rpartition(".")[0], batch_dim)
         else:
             dims[name] = batch_dim
     return dims
+
+
+# -- the loss of a backward pass ------------------------------------------------------------------
+
+_REDUCTIONS = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
+
+
+@dataclass
+class LossReduction:
+    """A reduction found at the top of a backward pass's graph: ``node`` (e.g.
+    ``NllLossBackward0``) reduced its ``rows`` (its input's first dimension: the examples, or
+    tokens) by ``reduction``."""
+
+    node: Any
+    label: str
+    reduction: str
+    rows: int | None
+    root: bool = False  # the node is the grad_fn of a root itself
+
+
+def _roots_of(frame: FrameType) -> list[torch.Tensor]:
+    outputs = frame.f_locals.get("t_outputs")
+    if isinstance(outputs, (tuple, list)):
+        return [t for t in outputs if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _is_engine_call(frame: FrameType) -> bool:
+    code = frame.f_code
+    return code.co_name == "_engine_run_backward" and "autograd" in code.co_filename
+
+
+def backward_roots(depth: int = 32) -> list[torch.Tensor]:
+    """The tensors the backward pass under way started from (``loss`` in ``loss.backward()``,
+    the outputs given to ``torch.autograd.grad``), read from torch's ``_engine_run_backward``
+    frame: on this thread's stack (a CPU backward runs its hooks on the calling thread), else
+    on the one thread that is inside one (device threads run a GPU backward's hooks); empty
+    where there is none, or several backward passes run at once."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        if _is_engine_call(frame):
+            return _roots_of(frame)
+        frame = frame.f_back
+    found = []
+    for top in sys._current_frames().values():
+        cur: FrameType | None = top
+        while cur is not None:
+            if _is_engine_call(cur):
+                found.append(cur)
+                break
+            cur = cur.f_back
+    return _roots_of(found[0]) if len(found) == 1 else []
+
+
+def _input_rows(node: Any) -> int | None:
+    """The first dimension of the tensor ``node``'s first input had in the forward."""
+    try:
+        nxt, k = node.next_functions[0]
+        shape = list(nxt._input_metadata[k].shape)
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        return None
+    return int(shape[0]) if len(shape) >= 2 else None
+
+
+def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossReduction]:
+    """The reductions a loss certainly applied: loss nodes whose saved ``reduction`` is
+    ``mean`` or ``sum`` (``NllLossBackward0`` of ``cross_entropy``, ``MseLossBackward0``,
+    ...), and a full ``mean()``/``sum()`` taken directly of a loss with ``reduction='none'``,
+    found at a root or below root-level additions (a loss plus a regularizer). Anything else
+    (a division by a count, a scale, a custom loss) is not inspected: a constant may have
+    turned a sum into a mean."""
+    found: list[LossReduction] = []
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    tops = set(stack)
+    for _ in range(limit):
+        if not stack:
+            break
+        node = stack.pop()
+        name = type(node).__name__
+        if name in ("AddBackward0", "AddBackward1") and getattr(node, "_saved_alpha", 1) == 1:
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+            continue
+        saved = getattr(node, "_saved_reduction", None)
+        if isinstance(saved, int) and saved in _REDUCTIONS:
+            label = f"{name} (reduction='{_REDUCTIONS[saved]}')"
+            found.append(
+                LossReduction(node, label, _REDUCTIONS[saved], _input_rows(node), node in tops)
+            )
+        elif name in ("MeanBackward0", "SumBackward0"):
+            inner = [n for n, _ in node.next_functions if n is not None]
+            if len(inner) == 1 and getattr(inner[0], "_saved_reduction", None) == 0:
+                label = f"{type(inner[0]).__name__} (reduction='none') then {name}"
+                sizes: tuple[int, ...] = tuple(getattr(node, "_saved_self_sym_sizes", ()))
+                rows = int(sizes[0]) if sizes else None
+                kind = "mean" if name.startswith("Mean") else "sum"
+                found.append(LossReduction(node, label, kind, rows, node in tops))
+    return found
+
+
+def reaches(node: Any, targets: set[Any], limit: int = 200_000) -> bool:
+    """Whether the graph below ``node`` contains one of ``targets`` (nodes)."""
+    stack, seen = [node], set[Any]()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur is None or cur in seen:
+            continue
+        if cur in targets:
+            return True
+        seen.add(cur)
+        stack.extend(n for n, _ in cur.next_functions)
+    return False
+
+
+def check_loss_reduction(declared: str, n: int | None, targets: set[Any]) -> None:
+    """Refuse a loss whose reduction certainly contradicts ``declared`` (``track``'s
+    ``loss_reduction``) in the backward pass under way, ``n`` examples reaching the graph nodes
+    ``targets`` (see :func:`loss_reductions`). A mean over other rows than the examples
+    (tokens) read as a sum is a valid choice (``l_i`` = the example's token losses over their
+    count) and goes through."""
+    roots = backward_roots()
+    for found in loss_reductions(roots):
+        if found.reduction == declared:
+            continue
+        if found.reduction == "mean" and (n is None or found.rows != n):
+            continue
+        only_root = found.root and len(roots) == 1  # the backward reached the model through it
+        if not only_root and not reaches(found.node, targets):
+            continue
+        over = f"{found.rows} rows" if found.rows is not None else "its rows"
+        off = (
+            "N * g_i (the variance N**2 too large)"
+            if declared == "mean"
+            else ("g_i / N (the variance N**2 too small)")
+        )
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                "loss_reduction",
+                f"the reduction of the loss being backpropagated: it ends in {found.label}, "
+                f"a {found.reduction} over {over}",
+                f"loss_reduction={declared!r}, which would give statistics of {off}",
+                f"pass loss_reduction={found.reduction!r} to track(...), or build the loss "
+                f"with reduction={declared!r}",
+            )
+        )

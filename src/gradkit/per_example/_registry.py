@@ -90,6 +90,16 @@ def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rul
         )
 
     def decorate(rule: Rule) -> Rule:
+        if not callable(rule):
+            raise TypeError(
+                message(
+                    f"register_rule({', '.join(t.__name__ for t in module_types)})",
+                    "rule",
+                    "a function rule(module, uses, ctx) -> {name: PerExampleGrad}",
+                    describe(rule),
+                    "decorate a function with @register_rule(...)",
+                )
+            )
         for t in module_types:
             if t in _RULES and not overwrite:
                 raise ValueError(

@@ -5,21 +5,26 @@ For per-example gradients ``g_i`` (``i = 1..N`` over every example seen in the `
 ``mean = (1/N) sum g_i``, ``second_moment = (1/N) sum g_i**2``, ``moment(p) = (1/N) sum g_i**p``,
 ``variance = second_moment - mean**2`` (population; clamped at 0 against rounding; ``N/(N-1)``
 times that with ``unbiased=True``), ``batch_l2[i] = ||g_i||**2``, ``batch_grad[i] = g_i``.
-Every quantity is a sum over examples, so passes (micro-batches, ranks) merge exactly.
+Every quantity is a sum over examples, so passes (micro-batches, ranks) merge exactly. A pass of
+no example adds nothing; a parameter a pass's loss did not reach gets ``g_i = 0`` for each of
+its examples (:meth:`_Acc.add_zeros`), as the one-example-at-a-time loop gives it. Reading a
+statistic of no example raises.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from gradkit._errors import GradkitError
+from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._grads import PerExampleGrad
 
-__all__ = ["ParamStats", "Want"]
+__all__ = ["QUANTITIES", "ParamStats", "Want", "parse_want"]
 
-_QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
+QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,57 @@ class Want:
         if {"second_moment", "variance"} & self.quantities:
             ps.add(2)
         return tuple(sorted(ps))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_want(quantities: Sequence[Any], moments: Any, call: str) -> Want:
+    """Check ``track``'s ``*quantities`` and ``moments`` and say what to compute."""
+    options = ", ".join(repr(q) for q in QUANTITIES)
+    for q in quantities:
+        if isinstance(q, str) and q in QUANTITIES:
+            continue
+        if isinstance(q, (list, tuple, set)) and all(isinstance(v, str) for v in q):
+            fix = "pass them as separate arguments: track(model, " + ", ".join(map(repr, q)) + ")"
+        elif isinstance(q, (list, tuple)) and all(_is_int(v) for v in q):
+            fix = f"moments are keyword-only: track(model, ..., moments={tuple(q)!r})"
+        else:
+            fix = f"pass one of {options}"
+        raise ValueError(message(call, "quantities", f"one of {options}", describe(q), fix))
+    if isinstance(moments, (str, bytes)) or not isinstance(moments, Iterable):
+        fix = (
+            f"pass a tuple, e.g. moments=({moments!r},)"
+            if _is_int(moments)
+            else ("pass e.g. moments=(3, 4)")
+        )
+        raise TypeError(
+            message(call, "moments", "a sequence of positive integers", describe(moments), fix)
+        )
+    moments = tuple(moments)
+    for p in moments:
+        if not _is_int(p) or p < 1:
+            raise ValueError(
+                message(
+                    call,
+                    "moments",
+                    "positive integers (powers p of (1/N) sum_i g_i**p)",
+                    repr(moments),
+                    "pass e.g. moments=(3, 4)",
+                )
+            )
+    if not quantities and not moments:
+        raise ValueError(
+            message(
+                call,
+                "quantities",
+                f"at least one of {options} or moments=(p, ...)",
+                "nothing",
+                "name what to compute, e.g. track(model, 'variance')",
+            )
+        )
+    return Want(frozenset(quantities), tuple(sorted(set(moments))))
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,6 +124,20 @@ class _Acc:
             self.sums[p] = value
         else:
             self.sums[p] = torch.mul(value, alpha)
+
+    def add_zeros(self, n: int, want: Want) -> None:
+        """Count ``n`` examples whose gradient is zero (the loss did not reach the parameter in
+        this backward pass): their sums are unchanged, their norms and gradients are 0."""
+        if n <= 0:
+            return
+        for p in ([1] if want.mean else []) + list(want.powers):
+            if p not in self.sums:
+                self.sums[p] = torch.zeros(self.shape, dtype=self.dtype)
+        if "batch_l2" in want.quantities:
+            self.l2.append(torch.zeros(n, dtype=self.dtype))
+        if "batch_grad" in want.quantities:
+            self.grads.append(torch.zeros((n, *self.shape), dtype=self.dtype))
+        self.n += n
 
 
 def accumulate(
@@ -129,11 +199,38 @@ class ParamStats:
         num_examples: ``N``, the number of examples seen.
     """
 
-    def __init__(self, name: str, acc: _Acc, want: Want, unbiased: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        acc: _Acc,
+        want: Want,
+        unbiased: bool,
+        *,
+        check: Callable[[str], None] | None = None,
+    ) -> None:
         self.name = name
         self._acc = acc
         self._want = want
         self._unbiased = unbiased
+        self._check = check  # raises when the tracker cannot give statistics now
+
+    def _ready(self, what: str) -> None:
+        call = f"stats[{self.name!r}].{what}"
+        if self._check is not None:
+            self._check(call)
+        if self._acc.n == 0:
+            raise GradkitError(
+                message(
+                    call,
+                    "the track block",
+                    "statistics of at least one example",
+                    "0 examples (no backward pass through the model inside the block, or "
+                    "only over batches of 0 examples)",
+                    "use track as a context manager and backpropagate inside it: "
+                    "with gradkit.per_example.track(model, ...) as stats: loss.backward() "
+                    "(a batch of 0 examples contributes nothing)",
+                )
+            )
 
     def __repr__(self) -> str:
         return (
@@ -145,17 +242,16 @@ class ParamStats:
     def num_examples(self) -> int:
         return self._acc.n
 
-    def _sum(self, p: int, what: str, ask: str) -> torch.Tensor:
-        if p not in self._acc.sums:
-            if self._acc.n == 0:
-                raise GradkitError(
-                    f"stats[{self.name!r}].{what}: no example was seen; run a "
-                    "backward pass inside the track block"
-                )
+    def _tracked(self, tracked: bool, what: str, ask: str) -> None:
+        if not tracked:
             raise GradkitError(
                 f"stats[{self.name!r}].{what}: not tracked; pass {ask} to "
                 "gradkit.per_example.track(...)"
             )
+
+    def _sum(self, p: int, what: str, ask: str) -> torch.Tensor:
+        self._tracked((p == 1 and self._want.mean) or p in self._want.powers, what, ask)
+        self._ready(what)
         return self._acc.sums[p]
 
     @property
@@ -171,18 +267,49 @@ class ParamStats:
     def moment(self, p: int) -> torch.Tensor:
         """``(1/N) sum_i g_i**p`` for a tracked ``p`` (``moments=(p, ...)``; 1 and 2 come with
         'mean' and 'second_moment')."""
+        if not _is_int(p) or p < 1:
+            raise ValueError(
+                message(
+                    f"stats[{self.name!r}].moment(p)",
+                    "p",
+                    "a positive integer tracked with moments=(p, ...)",
+                    repr(p),
+                    f"pass one of the tracked powers {self.powers()}",
+                )
+            )
         return self._sum(p, f"moment({p})", f"moments=({p},)") / self._acc.n
+
+    def powers(self) -> tuple[int, ...]:
+        """The powers ``p`` that :meth:`moment` can give."""
+        return tuple(sorted({*self._want.powers, *((1,) if self._want.mean else ())}))
 
     def var(self, *, unbiased: bool | None = None) -> torch.Tensor:
         """``second_moment - mean**2`` (clamped at 0), times ``N/(N-1)`` if ``unbiased``."""
-        n = self._acc.n
+        if unbiased is not None and not isinstance(unbiased, bool):
+            raise TypeError(
+                message(
+                    f"stats[{self.name!r}].var(unbiased=...)",
+                    "unbiased",
+                    "True, False or None (as set in track)",
+                    describe(unbiased),
+                    "pass a bool",
+                )
+            )
         s1 = self._sum(1, "variance", "'variance'")
         s2 = self._sum(2, "variance", "'variance'")
+        n = self._acc.n
         v = torch.addcmul(s2, s1, s1, value=-1.0 / n).div_(n).clamp_min_(0)
         if self._unbiased if unbiased is None else unbiased:
             if n < 2:
                 raise GradkitError(
-                    f"stats[{self.name!r}].var(unbiased=True): needs at least 2 examples, got {n}"
+                    message(
+                        f"stats[{self.name!r}].var(unbiased=True)",
+                        "the track block",
+                        "at least 2 examples for the unbiased variance (N/(N-1))",
+                        f"{n} example",
+                        "backpropagate more examples, or read the population variance "
+                        "var(unbiased=False)",
+                    )
                 )
             v = v * (n / (n - 1))
         return v
@@ -195,25 +322,20 @@ class ParamStats:
     @property
     def batch_l2(self) -> torch.Tensor:
         """``[N]``: ``||g_i||**2`` over this parameter, in the order examples were seen."""
-        if "batch_l2" not in self._want.quantities:
-            raise GradkitError(
-                f"stats[{self.name!r}].batch_l2: not tracked; pass 'batch_l2' "
-                "to gradkit.per_example.track(...)"
-            )
+        self._tracked("batch_l2" in self._want.quantities, "batch_l2", "'batch_l2'")
+        self._ready("batch_l2")
         if not self._acc.l2:
             return torch.zeros(0, dtype=self._acc.dtype)
         if len(self._acc.l2) > 1:  # merge once, keep the merged tensor
             self._acc.l2 = [torch.cat(self._acc.l2)]
-        return self._acc.l2[0]
+        return self._acc.l2[0].clone()
 
     @property
     def batch_grad(self) -> torch.Tensor:
-        """``[N, *shape]``: the individual gradients ``g_i``."""
-        if "batch_grad" not in self._want.quantities:
-            raise GradkitError(
-                f"stats[{self.name!r}].batch_grad: not tracked; pass "
-                "'batch_grad' to gradkit.per_example.track(...)"
-            )
+        """``[N, *shape]``: the individual gradients ``g_i``. This is the tracker's own storage
+        (no copy of ``O(N x params)``): clone it before modifying it in place."""
+        self._tracked("batch_grad" in self._want.quantities, "batch_grad", "'batch_grad'")
+        self._ready("batch_grad")
         if not self._acc.grads:
             return torch.zeros((0, *self._acc.shape), dtype=self._acc.dtype)
         if len(self._acc.grads) > 1:  # merge once, keep the merged tensor

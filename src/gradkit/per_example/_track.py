@@ -13,7 +13,14 @@ How it works, once per tracked module (a module with parameters of its own that 
    requested statistics are accumulated. A module used several times in one forward (weight
    tying, recurrence) is processed once all its uses arrived, so its contributions are summed
    per example before any power is taken.
-3. At the end of the backward pass (an engine callback) whatever is still pending is processed.
+3. At the end of the backward pass (an engine callback) whatever is still pending is processed,
+   and every tracked parameter the loss did not reach gets a zero gradient for each of the
+   pass's examples (as one example at a time would give it).
+
+At the first tracked output a backward pass reaches, before the gradient reaches any tracked
+parameter (so a refused pass leaves ``p.grad`` as it was), the pass is checked: no layer it
+will differentiate was split into another number of examples, all agree on ``N``, and the loss
+does not certainly contradict ``loss_reduction`` (:func:`._layout.loss_reductions`).
 
 Nothing is set on the model; ``p.grad`` is what it would be without tracking (bit-for-bit,
 except the weights of Linear layers on sequences, summed from their per-example gradients: see
@@ -26,6 +33,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -46,13 +54,21 @@ from gradkit.per_example._batch import (
     Dims,
     ModelCall,
     check_broadcast_consumers,
+    disagree_error,
+    mismatch_error,
     split_call,
 )
 from gradkit.per_example._fused import LinearWithSums, WeightSum
 from gradkit.per_example._grads import PerExampleGrad
-from gradkit.per_example._layout import call_layout, inner_batch_dims
+from gradkit.per_example._layout import (
+    call_layout,
+    check_feature_dims,
+    check_loss_reduction,
+    inner_batch_dims,
+    parse_batch_dim,
+)
 from gradkit.per_example._registry import RuleContext, Use, find_rule
-from gradkit.per_example._stats import ParamStats, Want, _Acc, acc_dtype, accumulate
+from gradkit.per_example._stats import ParamStats, _Acc, acc_dtype, accumulate, parse_want
 from gradkit.per_example._sum import combine
 from gradkit.per_example.rules import vmap_rule
 from gradkit.per_example.rules._thirdparty import register_available, unsplittable
@@ -60,7 +76,6 @@ from gradkit.per_example.rules._thirdparty import register_available, unsplittab
 __all__ = ["Tracker", "track"]
 
 logger = logging.getLogger(__name__)
-QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
 _DEFAULT_MAX_MEMORY = 256 * 2**20
 
 
@@ -73,6 +88,8 @@ class _UseRecord:
     buffered: dict[int, torch.Tensor] = field(default_factory=dict)  # edge sums before deciding
     from_edges: dict[int, bool] = field(default_factory=dict)  # decided: mean read at the edges
     recomputed: bool = False  # a forward run inside a backward (activation checkpointing)
+    label: str = ""  # "name (Class)" of the module
+    nodes: list[Node] = field(default_factory=list)  # the graph nodes of its outputs
 
     def release_graph(self) -> None:
         """Drop the references to graph nodes once this backward has read them. The record
@@ -80,7 +97,7 @@ class _UseRecord:
         through C++ that Python's garbage collector cannot see (the tracker, its results and
         the inputs would leak). A later backward through a retained graph then takes the mean
         from the rule's output instead of the edges."""
-        self.edges, self.leaves, self.buffered = {}, {}, {}
+        self.edges, self.leaves, self.buffered, self.nodes = {}, {}, {}, []
         self.call.output = None  # an expanded output holds the hook that holds this record
         self.sums = None
         self.from_edges = dict.fromkeys(self.from_edges, False)
@@ -105,6 +122,17 @@ class _ModuleState:
     pending: list[tuple[_UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
 
+def _check_size(call: str, argument: str, value: Any, unit: str, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise (ValueError if isinstance(value, int) else TypeError)(
+            message(call, argument, f"a positive int ({unit})", describe(value), f"pass {fix}")
+        )
+
+
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
+"""The tracker of every module hooked by an active track block."""
+
+
 def _model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> ModelCall:
     """The candidate number of examples of a model call: the batch dimension of its first
     input that has one (a PackedSequence: its first batch size)."""
@@ -114,7 +142,7 @@ def _model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
                 shape = t.shape[:batch_dim] + t.shape[batch_dim + 1 :]
-                return ModelCall(int(t.shape[batch_dim]), tuple(shape))
+                return ModelCall(int(t.shape[batch_dim]), tuple(shape), first=t, dim=batch_dim)
     return ModelCall(None, None)
 
 
@@ -171,7 +199,7 @@ class Tracker(Mapping[str, ParamStats]):
         *,
         moments: Sequence[int],
         loss_reduction: str,
-        batch_dim: int,
+        batch_dim: int | Mapping[str, int],
         fallback: str,
         unbiased: bool,
         max_memory: int,
@@ -180,47 +208,20 @@ class Tracker(Mapping[str, ParamStats]):
     ) -> None:
         call = "per_example.track(model, ...)"
         check_module(model, call, "pass the model whose parameters to track")
-        for q in quantities:
-            check_choice(q, QUANTITIES, call, "quantities")
-        for p in moments:
-            if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-                raise ValueError(
-                    message(
-                        call,
-                        "moments",
-                        "positive integers",
-                        repr(moments),
-                        "pass e.g. moments=(3, 4)",
-                    )
-                )
-        if not quantities and not moments:
-            raise ValueError(
-                message(
-                    call,
-                    "quantities",
-                    "at least one of "
-                    + ", ".join(repr(q) for q in QUANTITIES)
-                    + " or moments=(p, ...)",
-                    "nothing",
-                    "name what to compute, e.g. track(model, 'variance')",
-                )
-            )
+        self._want = parse_want(quantities, moments, call)
         self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
-        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-            raise ValueError(
-                message(
-                    call,
-                    "batch_dim",
-                    "a non-negative int",
-                    repr(batch_dim),
-                    "pass the index of the batch dimension",
-                )
+        modules = dict(model.named_modules())
+        batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
+        for arg, value in (("fuse", fuse), ("unbiased", unbiased)):
+            if not isinstance(value, bool):
+                raise TypeError(message(call, arg, "True or False", describe(value), "pass a bool"))
+        _check_size(call, "max_memory", max_memory, "bytes", "e.g. max_memory=2**28")
+        if chunk_size is not None:
+            _check_size(
+                call, "chunk_size", chunk_size, "examples", "e.g. chunk_size=64, or chunk_size=None"
             )
-        if not isinstance(fuse, bool):
-            raise TypeError(message(call, "fuse", "True or False", describe(fuse), "pass a bool"))
         self._fuse = fuse
-        self._want = Want(frozenset(quantities), tuple(sorted(set(moments))))
         self._batch_dim = batch_dim
         self._unbiased = unbiased
         self._max_memory = max_memory
@@ -233,8 +234,7 @@ class Tracker(Mapping[str, ParamStats]):
         register_available()  # rules for third-party layers whose library the user imported
         owners: dict[int, int] = {}
         claimed: list[str] = []  # subtrees a fallback module differentiates as a whole
-        modules = dict(model.named_modules())
-        dims = inner_batch_dims(modules, batch_dim)
+        dims = inner_batch_dims(modules, batch_dim, given_dims)
         for name, module in modules.items():
             if any(c == "" or name == c or name.startswith(c + ".") for c in claimed):
                 continue
@@ -288,6 +288,18 @@ class Tracker(Mapping[str, ParamStats]):
                 owners[pid] = owners.get(pid, 0) + 1
                 param = self._params[pid]
                 self._accs.setdefault(pid, _Acc(param.shape, acc_dtype(param.dtype)))
+        if not self._accs:
+            total = sum(1 for _ in model.parameters())
+            raise ValueError(
+                message(
+                    call,
+                    "model",
+                    "a module with parameters that require grad",
+                    f"{type(model).__name__} with {total} parameter(s), none requiring grad",
+                    "unfreeze the parameters to track (p.requires_grad_(True))",
+                )
+            )
+        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         for st in self._states:
             st.shared = any(owners[pid] > 1 for pid in st.pids.values())
         self._handles: list[Any] = []
@@ -298,14 +310,47 @@ class Tracker(Mapping[str, ParamStats]):
         self._done: list[_UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
+        self._reached: set[int] = set()  # parameters reached in the current backward
+        self._task: int | None = None  # the backward pass whose start was checked
+        self._unbackwarded = 0  # model calls since the last backward pass
+        self._merged = False  # all_reduce was called
         self._model_calls: list[ModelCall] = []  # the model calls under way
 
     # -- context manager ---------------------------------------------------------------------
 
     def __enter__(self) -> Tracker:
+        call = "per_example.track(model, ...)"
         if self._active:
-            raise GradkitError("per_example.track: this tracker is already active")
+            raise GradkitError(
+                message(
+                    call,
+                    "the track block",
+                    "a tracker entered once at a time",
+                    "a second `with` on a tracker that is already active",
+                    "use the active tracker, or create another one after this block",
+                )
+            )
+        for st in self._states:
+            other = _ACTIVE.get(st.module)
+            if other is not None:
+                raise GradkitError(
+                    message(
+                        call,
+                        "model",
+                        "modules that no other active track block tracks",
+                        f"{st.name or 'model'} ({type(st.module).__name__}), already tracked by "
+                        f"an enclosing track block",
+                        "ask for every quantity in one track(model, ...) call (blocks on the "
+                        "same modules cannot nest)",
+                    )
+                )
+        for pid, acc in self._accs.items():
+            if acc.n == 0:  # the model may have been cast since track() was called
+                param = self._params[pid]
+                acc.shape, acc.dtype = param.shape, acc_dtype(param.dtype)
         self._active = True
+        for st in self._states:
+            _ACTIVE[st.module] = self
         try:
             for st in self._states:
                 self._handles.append(
@@ -339,7 +384,12 @@ class Tracker(Mapping[str, ParamStats]):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for st in self._states:
+            if _ACTIVE.get(st.module) is self:
+                del _ACTIVE[st.module]
         self._active = False
+        self._unbackwarded = 0
+        self._reached.clear()
         self._model_calls.clear()
         self._sizes.clear()
         for st in self._states:
@@ -360,6 +410,8 @@ class Tracker(Mapping[str, ParamStats]):
         failed = sys.exc_info()[1]
         if model_call is not None and failed is None:
             check_broadcast_consumers(output, model_call)
+            if model_call.uses and not _in_backward():
+                self._unbackwarded += 1
         reshaped = [
             label for call, _, _, label in (model_call.expanded if model_call else [])
             if call.mode == "unbatched"
@@ -382,11 +434,27 @@ class Tracker(Mapping[str, ParamStats]):
             live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
+            frozen = [k for k, p in st.params.items() if not p.requires_grad]
+            if frozen:
+                name = f"{st.name}.{frozen[0]}" if st.name else frozen[0]
+                raise GradkitError(
+                    message(
+                        "per_example.track(model, ...)",
+                        f"parameter {name!r}",
+                        "requires_grad=True, as when track() was called",
+                        "requires_grad=False (frozen after track() was called)",
+                        "freeze parameters before calling track() (frozen ones are skipped)",
+                    )
+                )
+            layout = call_layout(module, args, kwargs, output, st.batch_dim)
+            check_feature_dims(st.name, module, args, layout, st.batch_dim)
+            if self._model_calls:
+                self._model_calls[-1].uses += 1
             call = split_call(
                 args,
                 kwargs,
                 output,
-                call_layout(module, args, kwargs, output, st.batch_dim),
+                layout,
                 model=self._model_calls[-1] if self._model_calls else None,
                 batch_dim=st.batch_dim,
                 batch_first=st.rule is not vmap_rule,
@@ -430,6 +498,8 @@ class Tracker(Mapping[str, ParamStats]):
                 edges = _param_edges([t.grad_fn for t in live], stops, targets)
             record = _UseRecord(call, sums, edges, {pid: nd for nd, pid in targets.items()})
             record.recomputed = _in_backward()
+            record.label = f"{st.name or 'model'} ({type(module).__name__})"
+            record.nodes = [t.grad_fn for t in live if t.grad_fn is not None]
             self._records.append(record)
             st.forward_count += 1
             if isinstance(output, torch.Tensor):
@@ -508,16 +578,10 @@ class Tracker(Mapping[str, ParamStats]):
     ) -> None:
         if not self._active:
             return
+        self._start_backward()
         call = record.call
         if call.mode == "mismatch" and any(g is not None for g in grads):
-            raise GradkitError(
-                f"per_example.track: module {st.name or 'model'} ({type(st.module).__name__}) "
-                f"{call.problem}, so its gradient cannot be split by example. If the batch is "
-                "not in dimension 0 of the model's inputs, pass batch_dim=...; if this module "
-                "mixes examples or sees them reshaped in a way that cannot be traced back to "
-                "[N, T, ...] (e.g. [T, N, d] flattened to [T * N, d]), freeze its parameters "
-                "(requires_grad_(False)) or register a rule for it"
-            )
+            raise mismatch_error([f"{record.label} {call.problem}"])
         leaves: list[Any] = []
         for g, d, added in zip(grads, call.out_dims, call.added, strict=True):
             if g is not None:
@@ -536,21 +600,60 @@ class Tracker(Mapping[str, ParamStats]):
         if not st.shared and len(st.pending) == st.forward_count:
             self._process(st)
 
+    # -- checks at the start of a backward pass, before any gradient is accumulated -------------
+
+    def _start_backward(self) -> None:
+        """Once per backward pass, at the first tracked output it reaches (before the gradient
+        reaches any tracked parameter, so a refused pass leaves every ``p.grad`` as it was):
+        refuse what would give wrong statistics."""
+        task_id = getattr(torch._C, "_current_graph_task_id", None)
+        task = int(task_id()) if task_id is not None else None
+        if task is not None and task == self._task:
+            return
+        self._task = task
+        if self._merged:
+            raise GradkitError(
+                message(
+                    "per_example.track(model, ...)",
+                    "stats.all_reduce(group)",
+                    "no further backward pass into statistics already merged across ranks",
+                    "a backward pass after all_reduce",
+                    "start a new track block for the next step",
+                )
+            )
+        live: list[_UseRecord] = []
+        for r in self._records:
+            try:
+                if any(_will_execute(node) for node in r.nodes):
+                    live.append(r)
+            except RuntimeError:
+                pass
+        mismatched = [r for r in live if r.call.mode == "mismatch"]
+        if mismatched:
+            raise mismatch_error([f"{r.label} {r.call.problem}" for r in mismatched])
+        sizes = [(r.label, r.call.n) for r in live]
+        if len({k for _, k in sizes}) > 1:
+            raise disagree_error(sizes)
+        n = sizes[0][1] if sizes else None
+        check_loss_reduction(self._loss_reduction, n, {nd for r in live for nd in r.nodes})
+
     # -- processing ----------------------------------------------------------------------------
 
     def _process(self, st: _ModuleState) -> None:
         pending, st.pending = st.pending, []
         ns = {r.call.n for r, _ in pending}
         if len(ns) != 1:
-            raise GradkitError(
-                f"per_example.track: module {st.name or 'model'} was called on "
-                f"batches of sizes {sorted(ns)} before one backward; all calls "
-                "between two backward passes are taken as uses on the same "
-                "examples (weight tying): run backward after each micro-batch"
-            )
+            label = f"{st.name or 'model'} ({type(st.module).__name__})"
+            raise disagree_error([(label, k) for k in sorted(ns)])
         n = ns.pop()
         self._sizes[st.name or "model"] = n
         self._done.extend(r for r, _ in pending)
+        self._reached.update(st.pids.values())
+        if n == 0:  # a batch of no example: nothing to add (its edges carry empty sums)
+            for r, _ in pending:
+                r.from_edges = dict.fromkeys(st.pids.values(), False)
+                r.buffered.clear()
+            return
         uses = [_use(r.call, g, st.rule is vmap_rule) for r, g in pending]
         self._in_rule = True
         try:
@@ -563,16 +666,16 @@ class Tracker(Mapping[str, ParamStats]):
         for local, p in st.params.items():
             pid = st.pids[local]
             pe = pes.get(local)
-            if pe is None:
+            if pe is None or pe.num_examples != n or tuple(pe.shape) != tuple(p.shape):
+                got = "nothing" if pe is None else f"{pe.num_examples} x {tuple(pe.shape)}"
                 raise GradkitError(
-                    f"per_example.track: the rule {st.rule.__name__} gave no "
-                    f"per-example gradient for {self._names[pid]}"
-                )
-            if pe.num_examples != n or tuple(pe.shape) != tuple(p.shape):
-                raise GradkitError(
-                    f"per_example.track: the rule {st.rule.__name__} gave "
-                    f"{pe.num_examples} x {tuple(pe.shape)} for "
-                    f"{self._names[pid]}, expected {n} x {tuple(p.shape)}"
+                    message(
+                        f"per_example.track: the rule {st.rule.__name__}",
+                        f"its result for {self._names[pid]!r}",
+                        f"per-example gradients {n} x {tuple(p.shape)}",
+                        got,
+                        "fix the rule (check it against gradkit.testing.per_example_grads)",
+                    )
                 )
             mean_given = True
             if self._want.mean:
@@ -608,16 +711,10 @@ class Tracker(Mapping[str, ParamStats]):
         deferred, self._deferred = self._deferred, {}
         done, self._done = {id(r) for r in self._done}, []
         sizes, self._sizes = self._sizes, {}
+        reached, self._reached = self._reached, set()
+        self._unbackwarded = 0
         if len(set(sizes.values())) > 1:
-            raise GradkitError(
-                "per_example.track: the tracked modules disagree on the number of examples in "
-                f"this backward pass: {sizes} (module: batch size). Per-example statistics need "
-                "one batch: if the examples are not in dimension 0 of every module's input and "
-                "output, pass batch_dim=... (and modules whose layout says otherwise, such as "
-                "RNNs and attention, are read by their batch_first); a module that sees the "
-                "examples reshaped in a way that cannot be traced back to [N, T, ...] (e.g. "
-                "[T, N, d] -> [T * N, d]) cannot be split"
-            )
+            raise disagree_error(list(sizes.items()))
         for record in self._records:
             if id(record) in done:
                 record.release_graph()
@@ -628,15 +725,49 @@ class Tracker(Mapping[str, ParamStats]):
             pe = parts[0][0] if len(parts) == 1 else combine([p for p, _, _ in parts])
             given = all(g for _, g, _ in parts)
             self._accumulate(pid, pe, given, parts[0][2])
+        n = next(iter(sizes.values()), 0)
+        for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
+            if pid not in reached:
+                acc.add_zeros(n, self._want)
 
     # -- results -------------------------------------------------------------------------------
+
+    def _readable(self, call: str) -> None:
+        """Refuse to read statistics inside the block while a model call waits for its
+        backward pass: they would silently leave its examples out."""
+        if self._active and self._unbackwarded:
+            raise GradkitError(
+                message(
+                    call,
+                    "the track block",
+                    "a backward pass after every forward call of the model before reading",
+                    f"{self._unbackwarded} forward call(s) of the model since the last backward "
+                    "pass",
+                    "call backward on their loss first (the statistics cover completed backward "
+                    "passes only), or run forward calls you do not backpropagate under "
+                    "torch.no_grad()",
+                )
+            )
 
     def __getitem__(self, name: str) -> ParamStats:
         for pid, n in self._names.items():
             if n == name and pid in self._accs:
-                return ParamStats(name, self._accs[pid], self._want, self._unbiased)
+                acc = self._accs[pid]
+                return ParamStats(name, acc, self._want, self._unbiased, check=self._readable)
         tracked = [self._names[pid] for pid in self._accs]
-        raise KeyError(f"per_example.track: no tracked parameter {name!r}; tracked: {tracked}")
+        if isinstance(name, str) and name in self._frozen:
+            why = f"no tracked parameter {name!r}: it did not require grad when track() was called"
+        else:
+            why = f"no tracked parameter {name!r}: the model has none of that name"
+        raise KeyError(
+            message(
+                "stats[name]",
+                "name",
+                f"the name of a tracked parameter: {tracked}",
+                why,
+                "use a name from list(stats) (as in model.named_parameters())",
+            )
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter([self._names[pid] for pid in self._accs])
@@ -646,12 +777,14 @@ class Tracker(Mapping[str, ParamStats]):
 
     @property
     def num_examples(self) -> int:
-        """Examples seen (the same for every parameter in a plain model)."""
+        """Examples seen: the same for every parameter (one the loss of a backward pass did not
+        reach counts that pass's examples, with gradient 0)."""
         counts = {acc.n for acc in self._accs.values()}
         return max(counts) if counts else 0
 
     def batch_l2(self) -> torch.Tensor:
         """``[N]``: ``||g_i||**2`` summed over all tracked parameters."""
+        self._readable("batch_l2()")
         parts = [self[name].batch_l2 for name in self]
         sizes = {p.shape[0] for p in parts}
         if len(sizes) != 1:
@@ -669,24 +802,52 @@ class Tracker(Mapping[str, ParamStats]):
         Sums are all-reduced; ``batch_l2`` and ``batch_grad`` are gathered in rank order.
         Every rank must call it, with the same tracked parameters and quantities.
         """
+        if self._merged:
+            raise GradkitError(
+                message(
+                    "stats.all_reduce(group)",
+                    "stats",
+                    "statistics not yet merged",
+                    "a second call (the sums of every rank were already added)",
+                    "call all_reduce once per track block",
+                )
+            )
         _dist.all_reduce_accs(list(self._accs.values()), self._want, group)
+        self._merged = True
 
     def summary(self) -> str:
         """A per-parameter table: ``|mean|``, ``tr(var)``, gradient SNR and noise scale."""
         from gradkit.per_example._derived import summary_table
 
+        self._readable("summary()")
+        if self.num_examples == 0:
+            raise GradkitError(
+                message(
+                    "stats.summary()",
+                    "the track block",
+                    "statistics of at least one example",
+                    "0 examples",
+                    "backpropagate inside the block first: with gradkit.per_example.track("
+                    "model, ...) as stats: loss.backward()",
+                )
+            )
         return summary_table(self)
 
 
 def _refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
     if module.training:
         raise GradkitError(
-            f"per_example.track: {type(module).__name__} in training mode normalizes with "
-            "statistics of the whole batch, so each example's loss depends on every other "
-            "example and individual gradients are not defined; call model.eval() on it (running "
-            "statistics), or convert the model with "
-            "gradkit.per_example.replace_batchnorm(model) (GroupNorm instead: a change of the "
-            "model, to be trained as such)"
+            message(
+                "per_example.track(model, ...)",
+                "model",
+                "layers that treat examples independently",
+                f"{type(module).__name__} in training mode, which normalizes with statistics of "
+                "the whole batch (each example's loss depends on every other example, and "
+                "individual gradients are not defined)",
+                "call model.eval() on it (running statistics), or convert the model with "
+                "gradkit.per_example.replace_batchnorm(model) (GroupNorm instead: a change of "
+                "the model, to be trained as such)",
+            )
         )
 
 
@@ -695,7 +856,7 @@ def track(
     *quantities: str,
     moments: Sequence[int] = (),
     loss_reduction: str = "mean",
-    batch_dim: int = 0,
+    batch_dim: int | Mapping[str, int] = 0,
     fallback: str = "vmap",
     unbiased: bool = False,
     max_memory: int = _DEFAULT_MAX_MEMORY,
@@ -719,18 +880,24 @@ def track(
             ``"batch_grad"``. Only what is asked is computed.
         moments: further powers ``p`` for ``stats[name].moment(p)``.
         loss_reduction: how the loss of each backward combined the ``l_i``: ``"mean"`` over the
-            examples of that backward, or ``"sum"``.
+            examples of that backward, or ``"sum"``. Where the loss says it (a ``reduction``
+            of a torch loss at the top of the graph, alone or plus other terms) a
+            contradiction raises; a custom loss cannot be checked.
         batch_dim: the batch dimension of the model's inputs and of its layers' inputs and
-            outputs. Layers with a documented layout use theirs instead (``batch_first`` of
-            RNNs and attention, the RNN state ``[layers * directions, N, H]``, the layers of a
-            ``nn.TransformerEncoderLayer``); the number of examples ``N`` is that of the
-            model's first input, and a layer whose output broadcasts over the batch (position
-            ids ``[1, T]``) is split by it. See ``docs/per_example.md``.
+            outputs, or a mapping from submodule names to it (``{"": 1, "head": 0}``: ``""``
+            for the model's inputs, a name for that submodule and those inside it). Layers
+            with a documented layout use theirs instead (``batch_first`` of RNNs and
+            attention, the RNN state ``[layers * directions, N, H]``, the layers of a
+            ``nn.TransformerEncoderLayer``, ``[N, C, ...]`` of convolutions); the number of
+            examples ``N`` is that of the model's first input (read by that layout where the
+            first layer takes the input itself), and a layer whose output broadcasts over the
+            batch (position ids ``[1, T]``) is split by it. A ``batch_dim`` on a Linear's or
+            LayerNorm's features is refused. See ``docs/per_example.md``.
         fallback: for modules without a rule: ``"vmap"`` (exact, per-module vmap of a
             vector-Jacobian product), ``"warn"`` (the same, with a warning), ``"error"``.
         unbiased: ``variance`` scaled by ``N/(N-1)``.
-        max_memory: bytes a materialized block of per-example gradients may take.
-        chunk_size: examples per materialized block (overrides ``max_memory``).
+        max_memory: bytes a materialized block of per-example gradients may take (> 0).
+        chunk_size: examples per materialized block (> 0; overrides ``max_memory``).
         fuse: where a quantity needs the per-example gradients of a Linear (or Hugging Face
             ``Conv1D``) on sequences anyway (variance, second moment, moments, batch_grad),
             take that weight's gradient as their sum instead of multiplying again (about
@@ -754,11 +921,16 @@ def track(
 
     Warning:
         ``loss_reduction`` must say what the loss did: a ``"mean"`` loss declared as ``"sum"``
-        gives statistics of ``g_i / N``. All forward calls of a module between two backward
-        passes are taken as uses on the same examples (weight tying): run backward after each
-        micro-batch's forward. A layer that cannot be split by example (one that sees the
-        examples reshaped untraceably, ``[T * N, d]``; T5's relative attention bias) raises a
-        :class:`GradkitError` rather than return statistics of another number of examples.
+        gives statistics of ``g_i / N``, a ``"sum"`` declared as ``"mean"`` of ``N g_i``.
+        Refused where the loss says its reduction; not checkable for a custom loss or a loss
+        divided or scaled by hand. All forward calls of a module between two backward passes
+        are taken as uses on the same examples (weight tying): run backward after each
+        micro-batch's forward (reading statistics while a forward awaits its backward
+        raises). A layer that cannot be split by example (one that sees the examples reshaped
+        untraceably, ``[T * N, d]``; T5's relative attention bias) raises a
+        :class:`GradkitError` rather than return statistics of another number of examples;
+        a ``[T, N, d]`` tensor read with ``batch_dim=0`` when ``T == N`` cannot be told from
+        an ``[N, T, d]`` one.
     """
     return Tracker(
         model,

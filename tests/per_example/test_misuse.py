@@ -1,0 +1,575 @@
+"""track() misused: every input gets the loop oracle's statistics or a GradkitError that names
+the argument or module, what was expected and received, and what to do; a refused call leaves
+``p.grad`` as it was.
+
+Sections: where the examples are (sequence-first models, ``batch_dim``), the loss reduction,
+batches of no example, parameters the loss does not reach, reading statistics too early.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradkit
+from gradkit import GradkitError
+from gradkit.per_example import gradient_snr, noise_scale, track
+from gradkit.testing import assert_close, per_example_grads
+
+D = torch.float64
+QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
+
+
+def cubic(out: torch.Tensor) -> torch.Tensor:
+    """Per-example losses ``[N]`` of a batch-first output."""
+    return (out**3 + out).flatten(1).sum(1)
+
+
+def cubic_seq(out: torch.Tensor) -> torch.Tensor:
+    """Per-example losses ``[N]`` of a sequence-first output ``[T, N, ...]``."""
+    return cubic(out.transpose(0, 1))
+
+
+def check_all(stats, ref: dict[str, torch.Tensor], rtol: float = 1e-10) -> None:
+    """Every quantity of every parameter against the oracle's per-example gradients."""
+    got, want = {}, {}
+    for name, g in ref.items():
+        s = stats[name]
+        got[name] = [s.mean, s.second_moment, s.variance, s.moment(3), s.batch_l2, s.batch_grad]
+        want[name] = [
+            g.mean(0),
+            (g**2).mean(0),
+            g.var(0, unbiased=False),
+            (g**3).mean(0),
+            g.flatten(1).square().sum(1),
+            g,
+        ]
+    assert_close(got, want, rtol=rtol, atol=1e-10)
+
+
+# -- where the examples are --------------------------------------------------------------------
+
+
+class RNNLast(nn.Module):
+    """A sequence-first RNN on the model's input ``[T, N, F]``; a head on its last step."""
+
+    def __init__(self, kind: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.rnn = kind(4, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][-1])  # [N, 2]
+
+
+class RNNAll(RNNLast):
+    """The head on every step: it sees ``[T, N, H]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])  # [T, N, 2]
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2)  # batch_first=False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x)[0]
+
+
+class Encoder(nn.Module):
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, norm_first=norm_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class SeqLinear(nn.Module):
+    """A Linear on ``[T, N, d]``, then a head on the last step ``[N, d]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x))[-1])
+
+
+# (id, model, loss of the output, batch_dim or None for the default)
+EXACT: list[tuple[str, Callable[[], nn.Module], Callable, object]] = [
+    *[(f"{k.__name__}_last", lambda k=k: RNNLast(k), cubic, None) for k in (nn.RNN, nn.GRU)],
+    ("LSTM_last", lambda: RNNLast(nn.LSTM), cubic, None),
+    ("GRU_alone", lambda: nn.GRU(4, 3), lambda o: cubic_seq(o[0]), None),
+    ("GRU_alone_bd1", lambda: nn.GRU(4, 3), lambda o: cubic_seq(o[0]), 1),
+    ("GRU_all_steps_bd1", lambda: RNNAll(nn.GRU), cubic_seq, 1),
+    ("attention", Attention, cubic_seq, None),
+    ("attention_bd1", Attention, cubic_seq, 1),
+    ("encoder", lambda: Encoder(False), cubic_seq, None),
+    ("encoder_norm_first", lambda: Encoder(True), cubic_seq, None),
+    ("encoder_bd1", lambda: Encoder(False), cubic_seq, 1),
+    ("linear_bd1", lambda: nn.Linear(4, 3), cubic_seq, 1),
+    ("linear_then_head_per_module", SeqLinear, cubic, {"": 1, "head": 0}),
+]
+
+
+@pytest.mark.parametrize("t, n", [(5, 3), (3, 3)], ids=["T!=N", "T==N"])
+@pytest.mark.parametrize("case", EXACT, ids=[c[0] for c in EXACT])
+def test_sequence_first_models_are_exact(case, t, n):
+    """Layers with a documented layout (RNNs, attention, transformer blocks) say where the
+    examples are, also when they take the model's [T, N, F] input under the default
+    batch_dim; other layers follow batch_dim (an int or per submodule)."""
+    _, make, loss, batch_dim = case
+    torch.manual_seed(0)
+    model = make().double().eval()
+    x = torch.randn(t, n, 4, dtype=D)
+    ref = per_example_grads(model, lambda o, _: loss(o).sum(), x, None, batch_dim=1)
+    kwargs = {} if batch_dim is None else {"batch_dim": batch_dim}
+    with track(model, *QUANTITIES, moments=(3,), **kwargs) as stats:
+        loss(model(x)).mean().backward()
+    assert stats.num_examples == n
+    check_all(stats, ref)
+
+
+def test_sequence_first_layer_that_follows_batch_dim_is_refused_with_shapes():
+    """The head sees [T, N, H] (T=5, N=3) while the GRU says N=3: refused at backward, naming
+    the layer, its output shape and batch_dim, before any p.grad changed."""
+    model = RNNAll(nn.GRU).double()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    x = torch.randn(5, 3, 4, dtype=D)
+    with track(model, "variance"), pytest.raises(GradkitError) as err:
+        cubic_seq(model(x)).mean().backward()
+    text = str(err.value)
+    for words in ("batch_dim", "head (Linear)", "(5, 3, 2)", "[5] examples", "3 examples"):
+        assert words in text, text
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+
+
+def test_limit_T_equal_N_cannot_be_told_from_shapes():
+    """What the docs say gradkit cannot check: the same model with T == N has every size
+    right, so the head's [T, N, H] is taken as [N, T, H] (batch_dim=1 is the fix)."""
+    torch.manual_seed(0)
+    model = RNNAll(nn.GRU).double()
+    x = torch.randn(3, 3, 4, dtype=D)
+    ref = per_example_grads(model, lambda o, _: cubic_seq(o).sum(), x, None, batch_dim=1)
+    with track(model, "variance") as stats:
+        cubic_seq(model(x)).mean().backward()
+    assert not torch.allclose(stats["head.weight"].variance, ref["head.weight"].var(0, False))
+    with track(model, "variance", batch_dim=1) as stats:
+        cubic_seq(model(x)).mean().backward()
+    assert_close(stats["head.weight"].variance, ref["head.weight"].var(0, unbiased=False))
+
+
+@pytest.mark.parametrize("d", [3, 4], ids=["d!=N", "d==N"])
+def test_batch_dim_1_on_batch_first_data_is_refused(d):
+    """batch_dim=1 on [N, d] would take the d features for examples (silently when d == N)."""
+    model = nn.Linear(d, d)
+    x = torch.randn(4, d)
+    with track(model, "variance", batch_dim=1), pytest.raises(GradkitError) as err:
+        model(x)
+    text = str(err.value)
+    for words in ("batch_dim=1", "model (Linear)", f"(4, {d})", "features", "batch_dim=0"):
+        assert words in text, text
+    assert model.weight.grad is None
+
+
+def test_batch_dim_1_on_a_head_after_a_sequence_first_rnn_is_refused():
+    model = RNNLast(nn.GRU).double()
+    with track(model, "variance", batch_dim=1), pytest.raises(GradkitError) as err:
+        model(torch.randn(5, 3, 4, dtype=D))
+    assert "head (Linear)" in str(err.value) and "{'': 1, 'head': 0}" in str(err.value)
+
+
+def test_convolutions_are_read_by_their_layout_whatever_batch_dim_says():
+    torch.manual_seed(0)
+    model = nn.Conv1d(2, 3, 3).double()
+    x = torch.randn(4, 2, 6, dtype=D)
+    ref = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None)
+    with track(model, "variance", "batch_l2", "batch_grad", moments=(3,), batch_dim=1) as s:
+        cubic(model(x)).mean().backward()
+    assert s.num_examples == 4
+    assert_close(s["weight"].batch_grad, ref["weight"])
+
+
+@pytest.mark.parametrize(
+    "batch_dim, kind, words",
+    [
+        ({"nope": 0}, ValueError, ("batch_dim", "'nope'", "named_modules")),
+        ({"": -1}, ValueError, ("batch_dim['']", "non-negative int", "-1")),
+        ("1", TypeError, ("batch_dim", "non-negative int", "'1'")),
+    ],
+)
+def test_batch_dim_argument_errors(batch_dim, kind, words):
+    with pytest.raises(kind) as err:
+        track(nn.Linear(2, 2), "variance", batch_dim=batch_dim)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+class UnsplittableFirst(nn.Module):
+    """A Linear on [T * N, d] rows (cannot be split), then one that is fine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [N, T, 4]
+        n, t, d = x.shape
+        h = self.rows(x.transpose(0, 1).reshape(t * n, d)).reshape(t, n, d).transpose(0, 1)
+        return self.out(h)
+
+
+def test_a_refused_layer_leaves_every_grad_unchanged():
+    """The refusal comes at the start of the backward pass, before the gradient reaches
+    ``out``'s parameters (before, they had been accumulated when ``rows`` raised)."""
+    model = UnsplittableFirst()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    with track(model, "variance"), pytest.raises(GradkitError, match=r"rows \(Linear\)"):
+        cubic(model(torch.randn(3, 5, 4))).mean().backward()
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+# -- the loss reduction -------------------------------------------------------------------------
+
+X, Y = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 0])
+
+SUM_LOSSES = {
+    "cross_entropy": lambda o: F.cross_entropy(o, Y, reduction="sum"),
+    "mse": lambda o: F.mse_loss(o, torch.zeros_like(o), reduction="sum"),
+    "none_then_sum": lambda o: F.cross_entropy(o, Y, reduction="none").sum(),
+    "sum_plus_regularizer": lambda o: F.cross_entropy(o, Y, reduction="sum") + 0.1 * o.sum(),
+}
+MEAN_LOSSES = {
+    "cross_entropy": lambda o: F.cross_entropy(o, Y),
+    "mse": lambda o: F.mse_loss(o, torch.zeros_like(o)),
+    "none_then_mean": lambda o: F.cross_entropy(o, Y, reduction="none").mean(),
+    "bce_logits": lambda o: F.binary_cross_entropy_with_logits(o, torch.ones_like(o)),
+}
+
+
+@pytest.mark.parametrize("loss", list(SUM_LOSSES), ids=list(SUM_LOSSES))
+def test_a_sum_loss_declared_mean_is_refused(loss):
+    model = nn.Linear(3, 4)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with track(model, "variance"), pytest.raises(GradkitError) as err:
+        SUM_LOSSES[loss](model(X)).backward()
+    text = str(err.value)
+    assert "loss_reduction='mean'" in text and "pass loss_reduction='sum'" in text, text
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("loss", list(MEAN_LOSSES), ids=list(MEAN_LOSSES))
+def test_a_mean_loss_declared_sum_is_refused(loss):
+    model = nn.Linear(3, 4)
+    with track(model, "variance", loss_reduction="sum"), pytest.raises(GradkitError) as err:
+        MEAN_LOSSES[loss](model(X)).backward()
+    text = str(err.value)
+    assert "loss_reduction='sum'" in text and "pass loss_reduction='mean'" in text, text
+    assert model.weight.grad is None
+
+
+def test_the_reduction_is_checked_in_autograd_grad_too():
+    model = nn.Linear(3, 4)
+    with track(model, "variance"), pytest.raises(GradkitError, match="NllLossBackward0"):
+        torch.autograd.grad(SUM_LOSSES["cross_entropy"](model(X)), list(model.parameters()))
+
+
+def test_the_reduction_is_checked_for_rnns_and_retained_graphs():
+    """An RNN's first hook is a multi-output hook; a second backward through a retained graph
+    is checked as well."""
+    rnn = nn.GRU(3, 4, batch_first=True)
+    with track(rnn, "variance"), pytest.raises(GradkitError, match="MseLossBackward0"):
+        out, _ = rnn(torch.randn(5, 2, 3))
+        F.mse_loss(out, torch.zeros_like(out), reduction="sum").backward()
+    model = nn.Linear(3, 4)
+    with track(model, "variance"), pytest.raises(GradkitError, match="reduction='sum'"):
+        out = model(X)
+        F.mse_loss(out, torch.zeros_like(out)).backward(retain_graph=True)
+        F.mse_loss(out, torch.zeros_like(out), reduction="sum").backward()
+
+
+def test_a_sum_loss_that_does_not_reach_the_model_is_not_refused():
+    model, other = nn.Linear(3, 4), nn.Parameter(torch.ones(3))
+    unrelated = [
+        lambda o: (
+            F.mse_loss(o, torch.zeros_like(o)),
+            F.mse_loss(other, 0 * other, reduction="sum"),
+        ),
+        lambda o: (
+            F.mse_loss(o, torch.zeros_like(o)) + F.l1_loss(other, 0 * other, reduction="sum"),
+        ),
+    ]
+    for losses in unrelated:
+        with track(model, "variance") as stats:
+            torch.autograd.backward(list(losses(model(X))))
+        assert stats.num_examples == 5
+
+
+def test_the_loss_is_found_from_another_thread():
+    """A GPU backward runs its hooks on device threads, whose stack lacks the backward call:
+    the loss is found on the one thread that is inside it."""
+    import threading
+
+    from gradkit.per_example._layout import backward_roots
+
+    seen: list[list[torch.Tensor]] = []
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    loss = y.sum()
+
+    def hook(g: torch.Tensor) -> None:
+        thread = threading.Thread(target=lambda: seen.append(backward_roots()))
+        thread.start()
+        thread.join()
+
+    y.register_hook(hook)
+    loss.backward()
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0] is loss
+
+
+def token_mean(o: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.flatten(0, 1), torch.zeros(o.shape[0] * o.shape[1], dtype=torch.long))
+
+
+NOT_REFUSED = [
+    ("mean_plus_regularizer", "mean", lambda m, o: F.cross_entropy(o, Y) + m.weight.square().sum()),
+    ("constant_times_mean", "mean", lambda m, o: 2.0 * F.cross_entropy(o, Y)),
+    ("sum_over_count", "mean", lambda m, o: F.cross_entropy(o, Y, reduction="sum") / 5),
+    ("custom_sum_declared_mean", "mean", lambda m, o: o.pow(2).sum()),
+    ("custom_mean_declared_sum", "sum", lambda m, o: o.pow(2).mean()),
+    ("token_mean_declared_mean", "mean", lambda m, o: token_mean(m(torch.randn(5, 6, 3)))),
+    ("token_mean_declared_sum", "sum", lambda m, o: token_mean(m(torch.randn(5, 6, 3)))),
+]
+
+
+@pytest.mark.parametrize("case", NOT_REFUSED, ids=[c[0] for c in NOT_REFUSED])
+def test_what_cannot_be_told_is_not_refused(case):
+    """Only a certain contradiction raises: a scale, a division by a count, a regularizer, a
+    custom loss or a mean over tokens (read as a sum of per-example token sums over the count)
+    go through."""
+    _, reduction, loss = case
+    model = nn.Linear(3, 4)
+    with track(model, "variance", loss_reduction=reduction) as stats:
+        loss(model, model(X)).backward()
+    assert stats.num_examples == 5
+
+
+def test_a_mean_loss_plus_regularizer_is_exact():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4).double()
+    x = X.double()
+    ref = per_example_grads(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, Y)
+    with track(model, *QUANTITIES, moments=(3,)) as stats:
+        (F.cross_entropy(model(x), Y) + 0.01 * model.weight.square().sum()).backward()
+    check_all(stats, ref)
+
+
+def test_hugging_face_losses_are_mean_cross_entropy_and_not_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, n_positions=8, vocab_size=11, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
+    for reduction in ("mean", "sum"):  # a mean over tokens: either reading is valid
+        with track(model, "variance", loss_reduction=reduction) as stats:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert stats.num_examples == 3
+
+
+# -- batches of no example ----------------------------------------------------------------------
+
+
+def conv_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.Flatten(), nn.LayerNorm(16), nn.Linear(16, 3)
+    ).double()
+
+
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(idx)))
+
+
+EMPTY = [
+    ("linear", lambda: nn.Linear(3, 2).double(), lambda n: torch.randn(n, 3, dtype=D)),
+    ("conv_layernorm", conv_net, lambda n: torch.randn(n, 1, 4, 6, dtype=D)),
+    ("embedding", lambda: TokenNet().double(), lambda n: torch.randint(0, 7, (n, 4))),
+    ("gru", lambda: RNNLast(nn.GRU).double(), lambda n: torch.randn(3, n, 4, dtype=D)),
+]
+
+
+@pytest.mark.parametrize("case", EMPTY, ids=[c[0] for c in EMPTY])
+def test_a_batch_of_no_example_alone_gives_one_clear_error(case):
+    _, make, data = case
+    model = make()
+    with track(model, *QUANTITIES) as stats:
+        cubic(model(data(0))).sum().backward()
+    for read in (lambda s: s.variance, lambda s: s.batch_grad, lambda s: s.mean):
+        with pytest.raises(GradkitError, match="0 examples.*a batch of 0 examples"):
+            read(stats[next(iter(stats))])
+
+
+@pytest.mark.parametrize("case", EMPTY, ids=[c[0] for c in EMPTY])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_micro_batch_of_no_example_contributes_nothing(case, reduction):
+    _, make, data = case
+    torch.manual_seed(0)
+    model = make()
+    batch_dim = 1 if case[0] == "gru" else 0
+    x = data(5)
+    ref = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None, batch_dim=batch_dim)
+    with track(model, *QUANTITIES, moments=(3,), loss_reduction=reduction) as stats:
+        for lo, hi in [(0, 2), (2, 2), (2, 5)]:
+            losses = cubic(model(x.narrow(batch_dim, lo, hi - lo)))
+            (losses.mean() if reduction == "mean" and hi > lo else losses.sum()).backward()
+    assert stats.num_examples == 5
+    check_all(stats, ref)
+
+
+# -- parameters the loss does not reach ---------------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, heads: str = "a") -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return sum(getattr(self, k)(h) for k in heads)
+
+
+def loop(model: nn.Module, parts: list[tuple[torch.Tensor, str]]) -> dict[str, torch.Tensor]:
+    """The loop oracle over micro-batches ``(x, heads)``: 0 for a parameter not reached."""
+    named = dict(model.named_parameters())
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in named}
+    for x, heads in parts:
+        for i in range(x.shape[0]):
+            loss = cubic(model(x[i : i + 1], heads)).sum()
+            grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+            for (k, p), g in zip(named.items(), grads, strict=True):
+                rows[k].append(torch.zeros_like(p) if g is None else g)
+    return {k: torch.stack(r) for k, r in rows.items()}
+
+
+@pytest.mark.parametrize("called", [False, True], ids=["never_called", "output_unused"])
+def test_an_unreached_head_gets_a_zero_gradient_per_example(called):
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    x1, x2 = torch.randn(3, 3, dtype=D), torch.randn(2, 3, dtype=D)
+    ref = loop(model, [(x1, "a"), (x2, "ab")])
+    with track(model, *QUANTITIES, moments=(3,)) as stats:
+        out = model(x1, "a")
+        if called:
+            model.b(torch.tanh(model.body(x1))).sum()  # computed, never backpropagated
+        cubic(out).mean().backward()
+        cubic(model(x2, "ab")).mean().backward()
+    check_all(stats, ref)
+    assert stats.batch_l2().shape == (5,)
+
+
+def test_summaries_with_an_unreached_parameter():
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    with track(model, "variance") as stats:
+        cubic(model(torch.randn(6, 3, dtype=D))).mean().backward()
+    reached = ["body.weight", "body.bias", "a.weight", "a.bias"]
+    assert noise_scale(stats) == pytest.approx(noise_scale(stats, reached), rel=1e-12)
+    snr = gradient_snr(stats)
+    assert math.isnan(snr["b.weight"])  # 0 / 0
+    assert math.isnan(noise_scale(stats, ["b.weight", "b.bias"]))  # 0 / 0
+    table = stats.summary()
+    assert "b.weight" in table and "zero gradient" in table
+
+
+# -- reading too early, and other misuses of the block ----------------------------------------
+
+
+def test_reading_after_a_forward_without_backward_is_refused():
+    model = nn.Linear(3, 2)
+    with track(model, "variance") as stats:
+        model(torch.randn(4, 3)).pow(2).sum(1).mean().backward()
+        model(torch.randn(4, 3))
+        with pytest.raises(GradkitError, match="1 forward call.*call backward"):
+            _ = stats["weight"].variance
+        with pytest.raises(GradkitError, match="forward call"):
+            stats.batch_l2()
+        with torch.no_grad():
+            model(torch.randn(4, 3))  # not counted
+        model(torch.randn(4, 3)).sum().backward()
+        assert stats["weight"].variance.shape == (2, 3)
+    assert stats.num_examples == 8
+
+
+def test_reading_before_any_backward_and_outside_a_block():
+    model = nn.Linear(3, 2)
+    stats = track(model, "variance")
+    model(torch.randn(4, 3)).sum().backward()  # not inside the block: not seen
+    with pytest.raises(GradkitError, match=r"stats\['weight'\].variance.*0 examples.*with "):
+        _ = stats["weight"].variance
+
+
+def test_track_blocks_on_the_same_modules_cannot_nest():
+    model = nn.Linear(3, 2)
+    with (
+        track(model, "variance"),
+        pytest.raises(GradkitError, match="already tracked"),
+        track(model, "batch_l2"),
+    ):
+        pass
+    with track(model, "variance"):  # the refused block left nothing behind
+        model(torch.randn(2, 3)).sum().backward()
+
+
+def test_a_parameter_frozen_after_track_is_refused():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    stats = track(model, "variance")
+    model[0].weight.requires_grad_(False)
+    with stats, pytest.raises(GradkitError, match="'0.weight'.*frozen after track"):
+        model(torch.randn(4, 3))
+
+
+def test_a_model_cast_after_track_accumulates_in_its_dtype():
+    model = nn.Linear(3, 2)
+    stats = track(model, "variance")
+    model.double()
+    with stats:
+        model(torch.randn(4, 3, dtype=D)).sum().backward()
+    assert stats["weight"].variance.dtype == D
+
+
+def test_batch_l2_is_a_copy():
+    model = nn.Linear(3, 2)
+    with track(model, "batch_l2") as stats:
+        model(torch.randn(4, 3)).pow(2).sum().backward()
+    stats["weight"].batch_l2.zero_()
+    assert stats["weight"].batch_l2.gt(0).all()
+
+
+def test_register_rule_refuses_what_is_not_a_function():
+    class Fresh(nn.Module):
+        pass
+
+    with pytest.raises(TypeError, match="rule: expected a function"):
+        gradkit.per_example.register_rule(Fresh)("not a rule")  # type: ignore[arg-type]
+    assert gradkit.per_example.find_rule(Fresh()) is None
