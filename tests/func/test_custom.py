@@ -117,3 +117,119 @@ def test_jacobian_auto_falls_back_to_reverse_without_forward_rule():
         return x.repeat(1, 5), lambda dy: dy.view(-1, 5, 2).sum(1)
 
     assert torch.equal(batch_jacobian(tile_rows, torch.ones(3, 2)), want.expand(3, 10, 2))
+
+
+# -- captured tensors (TensorFlow's ``variables``) ---------------------------------------------
+
+
+def _linear_tanh_problem():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    return lin, x
+
+
+def test_captured_module_weights_get_their_gradient_through_variables():
+    lin, x = _linear_tanh_problem()
+    seen = []
+
+    @custom_gradient
+    def layer(t):
+        y = torch.tanh(lin(t))
+
+        def grad_fn(dy, variables=None):
+            seen.append(variables)
+            dz = dy * (1 - y**2)
+            return dz @ lin.weight, [dz.T @ t, dz.sum(0)]
+
+        return y, grad_fn
+
+    from gradkit.func import gradients
+
+    # oracle: plain autograd of the same function without a custom gradient
+    ref = torch.autograd.grad(torch.tanh(lin(x)).sum(), [x, lin.weight, lin.bias])
+    got = gradients(layer(x).sum(), [x, lin.weight, lin.bias])
+    for g, r in zip(got, ref, strict=True):
+        assert torch.allclose(g, r)
+    assert seen[-1][0] is lin.weight and seen[-1][1] is lin.bias
+    lin.zero_grad()
+    x.grad = None
+    layer(x).sum().backward()
+    assert torch.allclose(lin.weight.grad, ref[1]) and torch.allclose(lin.bias.grad, ref[2])
+    assert torch.allclose(x.grad, ref[0])
+
+
+def test_a_grad_fn_without_variables_is_a_type_error_naming_the_tensors():
+    lin, x = _linear_tanh_problem()
+
+    @custom_gradient
+    def layer(t):
+        return lin(t), lambda dy: dy @ lin.weight
+
+    with pytest.raises(TypeError, match=r"custom_gradient\(layer\): grad_fn: .*uses lin.weight, "):
+        layer(x)
+    with torch.no_grad():  # no gradient can be lost: no error
+        assert torch.allclose(layer(x), lin(x))
+    lin.requires_grad_(False)  # frozen weights are constants: no error either
+    (g,) = torch.autograd.grad(layer(x).sum(), x)
+    assert torch.allclose(g, torch.ones(4, 2, dtype=torch.float64) @ lin.weight)
+
+
+class _Holder:
+    pass
+
+
+def test_a_tensor_reached_through_an_object_is_found_by_the_forward():
+    holder = _Holder()
+    holder.w = torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def scale(t):
+        return t * holder.w
+
+    @custom_gradient
+    def scaled(t):
+        calls.append(1)
+        return scale(t), lambda dy, variables: (dy * holder.w, [(dy * t).sum(0)])
+
+    _, x = _linear_tanh_problem()
+    scaled(x).sum().backward()
+    ref = torch.autograd.grad((x * holder.w).sum(), holder.w)[0]
+    assert torch.allclose(holder.w.grad, ref)
+    assert len(calls) == 2  # found on the first call, remembered after
+    scaled(x)
+    assert len(calls) == 3
+
+
+def test_variable_gradient_count_and_shape_are_checked():
+    lin, x = _linear_tanh_problem()
+
+    @custom_gradient
+    def too_few(t):
+        return lin(t), lambda dy, variables: (dy @ lin.weight, [dy.T @ t])
+
+    with pytest.raises(ValueError, match=r"expected 2 variable gradient\(s\), one per tensor"):
+        too_few(x).sum().backward()
+
+    @custom_gradient
+    def wrong_shape(t):
+        return lin(t), lambda dy, variables: (dy @ lin.weight, [dy.T @ t, dy])
+
+    with pytest.raises(ValueError, match=r"variable gradient 1: expected a tensor of shape \(2,\)"):
+        wrong_shape(x).sum().backward()
+
+
+def test_tensors_created_inside_the_function_are_not_captured():
+    @custom_gradient
+    def f(t):
+        w = torch.full((3,), 2.0, dtype=torch.float64, requires_grad=True)
+        return t * w, lambda dy: dy * w
+
+    _, x = _linear_tanh_problem()
+    (g,) = torch.autograd.grad(f(x).sum(), x)
+    assert torch.equal(g, torch.full_like(x, 2.0))
+
+
+def test_decorating_a_non_callable_is_a_type_error():
+    with pytest.raises(TypeError, match=r"custom_gradient\(f\): f: expected a callable"):
+        custom_gradient(3)

@@ -73,10 +73,18 @@ def test_unconnected_bad_value():
         gradients(x * 2, x, unconnected_gradients="bogus")
 
 
-def test_x_without_grad_is_unconnected():
+def test_x_without_grad_is_refused_not_reported_unconnected():
+    # tf.gradients differentiates w.r.t. any tensor of the graph: d(w.x)/dx = w. PyTorch
+    # recorded nothing about an x without requires_grad, so None would be a wrong answer.
     x = torch.ones(2)
     w = torch.ones(2, requires_grad=True)
-    assert gradients((w * x).sum(), [x, w])[0] is None
+    with pytest.raises(ValueError, match=r"xs\[0\]: expected a tensor that requires grad"):
+        gradients((w * x).sum(), [x, w])
+    with pytest.raises(ValueError, match=r"hessians\(ys, xs\): xs\[0\]: .*requires_grad_\(\)"):
+        hessians((w * x).sum(), [x])
+    # an x that requires grad but that ys do not use is unconnected: None, as in TensorFlow
+    u = torch.ones(2, requires_grad=True)
+    assert gradients((w * x).sum(), [u, w])[0] is None
 
 
 def test_stop_gradients_tf_example_and_no_hook_left():

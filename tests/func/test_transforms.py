@@ -152,7 +152,7 @@ def test_jacobian_argnums_tuple_and_chunks(mode):
 
 
 def test_jacobian_auto_picks_by_size(monkeypatch):
-    import gradkit.func._transforms as T
+    import gradkit.func._jacobian as T
 
     calls = []
     real_fwd, real_rev = T._forward_cols, T._reverse_rows
@@ -164,7 +164,7 @@ def test_jacobian_auto_picks_by_size(monkeypatch):
 
 
 def test_jacobian_auto_remembers_output_size(monkeypatch):
-    import gradkit.func._transforms as T
+    import gradkit.func._jacobian as T
 
     probes = []
     real = T._vjp

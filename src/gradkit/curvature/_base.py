@@ -13,18 +13,22 @@ block-diagonal product costs ``B`` products of the full operator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, overload
 
 import torch
 from torch import nn
 
-from gradkit._errors import GradkitError, describe, message
+from gradkit._errors import GradkitError, message
 from gradkit._validate import is_batching_error
 from gradkit.curvature._data import Data, LossFn, select_params
 from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
+from gradkit.curvature._vectors import FlatVectors
+from gradkit.func._checks import check_bool, check_float, check_int, check_optional_int
+from gradkit.func._state import TensorState, named_state
 
 __all__ = ["DENSE_MAX", "CurvatureOperator", "Layout", "Point"]
 
@@ -34,7 +38,7 @@ _VECTORIZE_MAX = 10_000  # parameters up to which op @ V uses one batched backwa
 DENSE_MAX = 10_000
 
 
-class CurvatureOperator:
+class CurvatureOperator(FlatVectors):
     """A curvature matrix of ``loss_fn(model(inputs), targets)`` w.r.t. the model's parameters
     as a matrix-free, symmetric linear operator (base class of :class:`Hessian`, :class:`GGN`
     and :class:`Fisher`).
@@ -43,6 +47,16 @@ class CurvatureOperator:
     (``names``); :meth:`flatten`, :meth:`unflatten` and :meth:`as_dict` convert. Follows
     scipy's convention: ``op @ v`` for ``[P]``, ``op @ V`` for ``[P, k]`` (columns), and a dict
     keyed like the parameters gives a dict back.
+
+    Products follow the model: on one batch, the graph kept from construction is rebuilt at the
+    current values before a product when the model changed since (an optimizer step, ``p.add_``
+    under ``no_grad``, an edit of ``p.data``, a new buffer, ``model.train()``/``eval()``:
+    parameters' and buffers' version counters, storage and values, and the modules' modes are
+    compared before every product, which costs one pass over the parameters and keeps a copy of
+    them); several batches are recomputed at every product anyway. So ``op @ v``,
+    :func:`diagonal`, :func:`trace` and :func:`eigenvalues` always give the curvature at the
+    model's current parameters. A parameter replaced by a new tensor object (``model.fc.weight =
+    nn.Parameter(...)``) is refused: build a new operator.
 
     Attributes:
         shape: ``(P, P)``.
@@ -68,6 +82,8 @@ class CurvatureOperator:
         chunk_size: int | None = None,
     ) -> None:
         self._call = call = f"{self._kind}({type(model).__name__})"
+        vectorize = check_bool(vectorize, call, "vectorize", optional=True)
+        chunk_size = check_optional_int(chunk_size, call, "chunk_size")
         chosen = select_params(model, params, call)
         self._data = Data(model, loss_fn, data, reduction=reduction, call=call)
         self._layout = Layout(chosen)
@@ -94,6 +110,7 @@ class CurvatureOperator:
         self.vectorize = n <= _VECTORIZE_MAX if vectorize is None else vectorize
         self.chunk_size = chunk_size
         self._point: Point | None = None
+        self._state: TensorState | None = None
 
     # -- subclass interface -------------------------------------------------------------------
 
@@ -101,11 +118,12 @@ class CurvatureOperator:
         raise NotImplementedError  # pragma: no cover
 
     def _start(self) -> None:
-        """Build the first batch's point (kept for a single batch), warn about unused
-        parameters, refuse graphs that cannot be differentiated twice."""
+        """Build the first batch's point (kept for a single batch, with the state of the model
+        it was built at), warn about unused parameters, refuse graphs that cannot be
+        differentiated twice."""
         inputs, targets, _ = next(iter(self._data))
         with torch.enable_grad():
-            point = self._make_point(inputs, targets, 0)
+            point = self._data.first(lambda: self._make_point(inputs, targets, 0), self.dtype)
         if point.errors:
             raise GradkitError(
                 f"{self._call}: the model's backward cannot be differentiated again (graph "
@@ -116,6 +134,44 @@ class CurvatureOperator:
         self._data.warn_unused([self.names[i] for i in point.unused])
         if self._data.single:
             self._point = point
+            self._state = self._record()
+
+    def _record(self) -> TensorState:
+        model = self._data.model
+        return TensorState(named_state(model), modules=model, data=self._data.tensors())
+
+    def _check_params(self) -> None:
+        """Refuse parameters that are no longer the model's (replaced by new objects)."""
+        named = dict(self._data.model.named_parameters())
+        for name, p in zip(self.names, self._params, strict=True):
+            if named.get(name) is not p:
+                raise GradkitError(
+                    f"{self._call}: parameter {name!r} is no longer the model's parameter of "
+                    "that name (it was replaced by a new tensor object or removed after the "
+                    "operator was built); the operator differentiates the parameters it was "
+                    "built with: build a new operator from the model as it is now"
+                )
+
+    def _current_point(self) -> Point | None:
+        """The kept point, rebuilt at the current values if the model changed since it was
+        built (None for several batches: every product recomputes them)."""
+        self._check_params()
+        if self._point is None or self._state is None:
+            return self._point
+        current = named_state(self._data.model)
+        why = None if self._state.same_objects(current) else "a parameter or buffer was replaced"
+        why = why or self._state.changed()
+        if why is None:
+            return self._point
+        logger.debug(
+            "%s: %s since the last product; rebuilding at the current values", self._call, why
+        )
+        inputs, targets, _ = next(iter(self._data))
+        self._point = None  # free the old graph before building the new one
+        with torch.enable_grad():
+            self._point = self._make_point(inputs, targets, 0)
+        self._state = self._record()
+        return self._point
 
     # -- vectors ------------------------------------------------------------------------------
 
@@ -126,74 +182,15 @@ class CurvatureOperator:
             f"{blocks}, num_examples={self.num_examples})"
         )
 
-    def flatten(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> torch.Tensor:
-        """Tensors shaped like the parameters (a dict keyed by name, or a list in ``names``
-        order) as one flat vector ``[P]``."""
-        if isinstance(tensors, Mapping):
-            if set(tensors) != set(self.names):
-                raise ValueError(
-                    message(
-                        f"{self._call}.flatten",
-                        "tensors",
-                        f"exactly the keys {self.names}",
-                        repr(sorted(tensors)),
-                        "key the vector like op.names",
-                    )
-                )
-            parts = [tensors[n] for n in self.names]
-        else:
-            parts = list(tensors)
-        ok = len(parts) == len(self.shapes) and all(
-            isinstance(t, torch.Tensor) and t.shape == s
-            for t, s in zip(parts, self.shapes, strict=False)
-        )
-        if not ok:
-            raise ValueError(
-                message(
-                    f"{self._call}.flatten",
-                    "tensors",
-                    f"tensors of shapes {[tuple(s) for s in self.shapes]}",
-                    describe(parts),
-                    "shape each piece like its parameter",
-                )
-            )
-        return torch.cat([t.reshape(-1).to(self.dtype) for t in parts])
+    @overload
+    def __matmul__(self, v: torch.Tensor) -> torch.Tensor: ...
 
-    def unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
-        """Split ``[P]`` (or ``[P, k]``) into pieces shaped like the parameters (``[*shape,
-        k]``)."""
-        self._check(vector, ".unflatten(vector)")
-        tail = vector.shape[1:]
-        return [
-            p.reshape((*s, *tail))
-            for p, s in zip(vector.split(self._sizes), self.shapes, strict=True)
-        ]
+    @overload
+    def __matmul__(self, v: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
-    def as_dict(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Split ``[P]`` (or ``[P, k]``) by parameter name."""
-        return dict(zip(self.names, self.unflatten(vector), strict=True))
-
-    def _check(self, v: Any, where: str = " @ v") -> torch.Tensor:
-        n = self.shape[0]
-        if not isinstance(v, torch.Tensor) or v.dim() not in (1, 2) or v.shape[0] != n:
-            raise ValueError(
-                message(
-                    f"{self._call}{where}",
-                    "v",
-                    f"a tensor of shape [{n}] or [{n}, k], or a dict keyed like op.names",
-                    describe(v),
-                    "flatten parameter-shaped vectors with op.flatten(...)",
-                )
-            )
-        if not v.is_floating_point():
-            raise TypeError(
-                message(
-                    f"{self._call}{where}", "v", "a floating-point tensor", describe(v), "cast it"
-                )
-            )
-        return v.to(dtype=self.dtype, device=self.device)
-
-    def __matmul__(self, v: Any) -> Any:
+    def __matmul__(
+        self, v: torch.Tensor | Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         if isinstance(v, Mapping):
             return self.as_dict(self._matvec(self.flatten(v)))
         v = self._check(v)
@@ -211,15 +208,32 @@ class CurvatureOperator:
     # -- products -----------------------------------------------------------------------------
 
     def _matvec(self, v: torch.Tensor) -> torch.Tensor:
-        if self._point is None or self._masks is not None:
+        point = self._current_point()
+        if point is None or self._masks is not None:
             return self._matmat(v[:, None])[:, 0]
-        with torch.enable_grad():
-            return self._point.apply(v)
+        with torch.enable_grad(), self._inplace_errors():
+            return point.apply(v)
+
+    @contextlib.contextmanager
+    def _inplace_errors(self) -> Iterator[None]:
+        """Word autograd's error about a saved tensor modified in place (one the operator does
+        not track: a tensor captured by ``loss_fn``)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if "modified by an inplace operation" not in str(err):
+                raise
+            raise GradkitError(
+                f"{self._call} @ v: a tensor the loss depends on, other than the model's "
+                "parameters, buffers and the batch (e.g. one captured by loss_fn), was modified "
+                f"in place after the operator was built ({str(err).split(';')[0]}); build a new "
+                "operator after changing it"
+            ) from err
 
     def _matmat(self, V: torch.Tensor) -> torch.Tensor:
         if V.shape[1] == 0:
             return V.clone()
-        with torch.enable_grad():
+        with torch.enable_grad(), self._inplace_errors():
             if self._masks is None:
                 return self._full(V)
             k = V.shape[1]
@@ -241,8 +255,9 @@ class CurvatureOperator:
         return unit_diagonal(product, n, self.dtype, self.device, max_size=max_size, call=call)
 
     def _full(self, V: torch.Tensor) -> torch.Tensor:
-        if self._point is not None:
-            return self._columns(self._point, V)
+        point = self._current_point()
+        if point is not None:
+            return self._columns(point, V)
         total: torch.Tensor | None = None
         for index, (inputs, targets, n) in enumerate(self._data):
             res = self._columns(self._make_point(inputs, targets, index), V)
@@ -274,6 +289,8 @@ class CurvatureOperator:
         """The matrix ``[P, P]``, ``chunk`` columns per product (for models up to ``max_size``
         parameters)."""
         n = self.shape[0]
+        max_size = check_int(max_size, f"{self._call}.dense()", "max_size", example=n)
+        chunk = check_int(chunk, f"{self._call}.dense()", "chunk", example=256)
         if n > max_size:
             raise GradkitError(
                 message(
@@ -316,7 +333,11 @@ class CurvatureOperator:
         """
         from gradkit.testing import tolerances
 
+        call = f"{self._call}.check_deterministic()"
+        if rtol is not None:
+            rtol = check_float(rtol, call, "rtol", positive=True, example="1e-6")
         tol = rtol if rtol is not None else 1e3 * tolerances(self.dtype)[0]
+        self._check_params()
         g = torch.Generator(device="cpu").manual_seed(0)
         v = torch.randn(self.shape[0], 2, generator=g, dtype=torch.float64).to(self.dtype)
         kept, self._point = self._point, None  # rebuild from the data each time

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ __all__ = ["Data", "LossFn", "find_error_nodes", "select_params"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Batch = tuple[Any, torch.Tensor]
+T = TypeVar("T")
 
 
 def select_params(
@@ -42,6 +43,16 @@ def select_params(
     else:
         if isinstance(params, str):
             params = [params]
+        if not isinstance(params, Iterable) or isinstance(params, (bytes, dict)):
+            raise TypeError(
+                message(
+                    call,
+                    "params",
+                    "None, a parameter name or a list of names",
+                    describe(params),
+                    f"pass e.g. params={list(named)[:2]}",
+                )
+            )
         wanted = list(params)
         bad = [n for n in wanted if not isinstance(n, str) or n not in named]
         if bad:
@@ -88,6 +99,16 @@ def select_params(
                 "convert the model with model.to(dtype, device)",
             )
         )
+    if next(iter(devices)).type == "meta":
+        raise ValueError(
+            message(
+                call,
+                "model",
+                "parameters with values",
+                "parameters on the meta device (shapes only)",
+                "materialize the model first (model.to_empty(device=...) and load_state_dict)",
+            )
+        )
     return chosen
 
 
@@ -118,6 +139,22 @@ def _batch_size(inputs: Any, call: str) -> int:
             )
         )
     return int(first.shape[0])
+
+
+def _check_batch(inputs: Any, index: int | None, call: str) -> int:
+    """The number of examples of one batch: at least one."""
+    n = _batch_size(inputs, call)
+    if n == 0:
+        raise ValueError(
+            message(
+                call,
+                "data" if index is None else f"data[{index}]",
+                "a batch of at least one example",
+                "a batch of 0 examples (the operator would be 0, or nan for a mean loss)",
+                "drop empty batches from data",
+            )
+        )
+    return n
 
 
 def _walk(roots: Iterable[Any]) -> Iterator[Any]:
@@ -192,7 +229,7 @@ class Data:
         self.single = _is_pair(data)
         if self.single:
             self._batches: Any = [tuple(data)]
-            self.num_examples = _batch_size(data[0], call)
+            self.num_examples = _check_batch(data[0], None, call)
             return
         if not isinstance(data, Iterable) or isinstance(data, (str, bytes, dict, torch.Tensor)):
             raise TypeError(self._data_error(data))
@@ -210,7 +247,13 @@ class Data:
         self.num_examples = sum(n for _, _, n in self)
         if self.num_examples == 0:
             raise ValueError(
-                message(call, "data", "at least one example", "no batches", "pass non-empty data")
+                message(
+                    call,
+                    "data",
+                    "at least one batch",
+                    f"an empty {type(data).__name__}",
+                    "pass non-empty data",
+                )
             )
 
     def _data_error(self, got: Any) -> str:
@@ -223,10 +266,71 @@ class Data:
         )
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor, int]]:
-        for batch in self._batches:
+        for index, batch in enumerate(self._batches):
             if not _is_pair(batch):
                 raise TypeError(self._data_error(batch))
-            yield batch[0], batch[1], _batch_size(batch[0], self.call)
+            where = None if self.single else index
+            yield batch[0], batch[1], _check_batch(batch[0], where, self.call)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of a single batch by label (for change detection), else none."""
+        return self._first_tensors() if self.single else []
+
+    def _first_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        inputs, targets = next(iter(self._batches))
+        prefix = "data" if self.single else "data[0]"
+        parts = inputs if isinstance(inputs, tuple) else (inputs,)
+        named = [
+            (f"{prefix} inputs[{i}]", t) for i, t in enumerate(parts) if isinstance(t, torch.Tensor)
+        ]
+        return [*named, (f"{prefix} targets", targets)]
+
+    def first(self, build: Callable[[], T], dtype: torch.dtype) -> T:
+        """Run ``build`` (the first batch's forward and backward), wording the errors of data
+        on another device or of another floating dtype than the parameters, and of targets
+        with another number of rows than the inputs (flattened targets are fine as long as the
+        loss takes them)."""
+        try:
+            return build()
+        except ValueError as err:
+            _, targets, n = next(iter(self))
+            if targets.dim() > 0 and targets.shape[0] != n:
+                raise ValueError(
+                    message(
+                        self.call,
+                        "data" if self.single else "data[0]",
+                        f"targets with {n} rows along dimension 0 (one per example of the "
+                        "inputs), as the loss requires",
+                        f"{describe(targets)}, and loss_fn raised {type(err).__name__}: {err}",
+                        "pair each batch of inputs with its own targets",
+                    )
+                ) from err
+            raise
+        except RuntimeError as err:
+            device = next(self.model.parameters()).device
+            text = str(err)
+            for label, t in self._first_tensors():
+                if t.device != device and "device" in text:
+                    raise ValueError(
+                        message(
+                            self.call,
+                            label,
+                            f"a tensor on the parameters' device ({device})",
+                            f"a tensor on {t.device}",
+                            f"move the data with .to({str(device)!r})",
+                        )
+                    ) from err
+                if t.is_floating_point() and t.dtype != dtype and "dtype" in text.lower():
+                    raise TypeError(
+                        message(
+                            self.call,
+                            label,
+                            f"a tensor of the parameters' dtype ({dtype})",
+                            describe(t),
+                            f"convert the data with .to({dtype})",
+                        )
+                    ) from err
+            raise
 
     def weight(self, n: int) -> float:
         """The weight of a batch of ``n`` examples in the total (1 for a single batch)."""

@@ -19,10 +19,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice
 from gradkit.curvature._base import DENSE_MAX, CurvatureOperator
 from gradkit.curvature._diag import unit_diagonal
+from gradkit.func._checks import check_int
 
 __all__ = ["Estimate", "LinearOp", "diagonal", "label", "probe_generator", "trace"]
 
@@ -66,15 +67,43 @@ class LinearOp:
                 )
             )
         self.op = op
+        self.call = call
         self.n = int(shape[0])  # type: ignore[index]
         self.dtype = getattr(op, "dtype", torch.float32)
         self.device = getattr(op, "device", torch.device("cpu"))
         self.products = 0
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(
+                message(
+                    call,
+                    "op",
+                    "a floating-point operator (products of float64 probes are cast to its dtype)",
+                    f"an operator of dtype {self.dtype}",
+                    "convert it, e.g. op.double() for a tensor",
+                )
+            )
+        if isinstance(self.device, torch.device) and self.device.type == "meta":
+            raise ValueError(
+                message(
+                    call,
+                    "op",
+                    "an operator with values",
+                    "one on the meta device (shapes only)",
+                    "build it from tensors with values",
+                )
+            )
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         self.products += V.shape[1] if V.dim() == 2 else 1
-        res = self.op @ V.to(dtype=self.dtype, device=self.device)
-        return torch.as_tensor(res).to(torch.float64)
+        res = torch.as_tensor(self.op @ V.to(dtype=self.dtype, device=self.device))
+        if not bool(torch.isfinite(res).all()):
+            raise GradkitError(
+                f"{self.call}: a product of the operator with finite probe vectors has nan or "
+                "inf entries (the loss, its gradient or its curvature is not finite at these "
+                "parameters, e.g. after a diverged step); check the loss at the current "
+                "parameters before estimating its curvature"
+            )
+        return res.to(torch.float64)
 
 
 def label(op: Any) -> str:
@@ -108,7 +137,8 @@ def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> t
 
 def _check_probes(probes: Any, minimum: int, call: str, method: str) -> int:
     if isinstance(probes, bool) or not isinstance(probes, int) or probes < minimum:
-        raise ValueError(
+        error = TypeError if isinstance(probes, bool) or not isinstance(probes, int) else ValueError
+        raise error(
             message(
                 call,
                 "probes",
@@ -132,10 +162,19 @@ def _sketch(
 
 
 def exact_diagonal(op: Any, *, max_size: int, max_memory: int, call: str) -> torch.Tensor:
+    max_size = check_int(max_size, call, "max_size", example=DENSE_MAX)
+    max_memory = check_int(max_memory, call, "max_memory", example=_MAX_MEMORY)
     if isinstance(op, torch.Tensor):
         return op.diagonal().clone()
     if isinstance(op, CurvatureOperator):
-        return op._exact_diagonal(max_size=max_size, max_memory=max_memory, call=call)
+        op._check_params()
+        d = op._exact_diagonal(max_size=max_size, max_memory=max_memory, call=call)
+        if not bool(torch.isfinite(d).all()):
+            raise GradkitError(
+                f"{call}: the exact diagonal has nan or inf entries (the loss or its curvature "
+                "is not finite at these parameters); check the loss at the current parameters"
+            )
+        return d
     A = LinearOp(op, call)
     return unit_diagonal(A, A.n, A.dtype, A.device, max_size=max_size, call=call)
 

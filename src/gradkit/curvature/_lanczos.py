@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
-from gradkit._errors import message
+from gradkit._errors import describe, message
 from gradkit._validate import check_choice
 from gradkit.curvature._estimators import LinearOp, label, probe_generator
+from gradkit.func._checks import check_bool, check_float, check_int
 
 __all__ = ["SpectralDensity", "eigenvalues", "spectral_density"]
 
@@ -96,6 +97,45 @@ def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return torch.diag(alpha) + torch.diag(off, 1) + torch.diag(off, -1)
 
 
+@overload
+def eigenvalues(
+    op: Any,
+    k: int = 3,
+    *,
+    which: str = "largest",
+    max_iter: int | None = None,
+    tol: float | None = None,
+    return_vectors: Literal[False] = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def eigenvalues(
+    op: Any,
+    k: int = 3,
+    *,
+    which: str = "largest",
+    max_iter: int | None = None,
+    tol: float | None = None,
+    return_vectors: Literal[True],
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def eigenvalues(
+    op: Any,
+    k: int = 3,
+    *,
+    which: str = "largest",
+    max_iter: int | None = None,
+    tol: float | None = None,
+    return_vectors: bool,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def eigenvalues(
     op: Any,
     k: int = 3,
@@ -105,7 +145,7 @@ def eigenvalues(
     tol: float | None = None,
     return_vectors: bool = False,
     generator: torch.Generator | None = None,
-) -> Any:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""The ``k`` extreme eigenvalues of a symmetric operator by Lanczos with full
     reorthogonalization.
 
@@ -145,15 +185,18 @@ def eigenvalues(
     A = LinearOp(op, call)
     n = A.n
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-        raise ValueError(message(call, "k", f"an int in [1, {n}]", repr(k), "pass e.g. k=3"))
+        error = TypeError if isinstance(k, bool) or not isinstance(k, int) else ValueError
+        raise error(message(call, "k", f"an int in [1, {n}]", repr(k), "pass e.g. k=3"))
     steps = min(n, max(64, 4 * k)) if max_iter is None else max_iter
     if isinstance(steps, bool) or not isinstance(steps, int) or not k <= steps:
-        raise ValueError(
+        error = TypeError if isinstance(steps, bool) or not isinstance(steps, int) else ValueError
+        raise error(
             message(call, "max_iter", f"an int >= k ({k})", repr(max_iter), "raise max_iter")
         )
     steps = min(steps, n)
+    check_bool(return_vectors, call, "return_vectors")
     eps = torch.finfo(A.dtype).eps
-    rtol = math.sqrt(eps) if tol is None else tol
+    rtol = math.sqrt(eps) if tol is None else check_float(tol, call, "tol", example="1e-6")
     gen = probe_generator(generator, call)
     v0 = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device).to(A.device)
     residuals: list[float] = []
@@ -253,7 +296,25 @@ def spectral_density(
     A = LinearOp(op, call)
     for name, value in (("probes", probes), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(message(call, name, "a positive int", repr(value), "pass e.g. 10"))
+            error = (
+                TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
+            )
+            raise error(message(call, name, "a positive int", repr(value), "pass e.g. 10"))
+    if width is not None:
+        width = check_float(width, call, "width", positive=True, example="0.01")
+    if isinstance(grid, torch.Tensor):
+        if grid.dim() != 1 or grid.numel() < 2 or not grid.is_floating_point():
+            raise ValueError(
+                message(
+                    call,
+                    "grid",
+                    "a 1-D floating-point tensor of at least 2 points, or a number of points",
+                    describe(grid),
+                    "pass e.g. grid=torch.linspace(lo, hi, 1000)",
+                )
+            )
+    else:
+        grid = check_int(grid, call, "grid", minimum=2, example=1000)
     steps = min(steps, A.n)
     gen = probe_generator(generator, call)
     nodes = torch.zeros(probes, steps, dtype=torch.float64)

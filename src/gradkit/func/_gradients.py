@@ -18,14 +18,16 @@ What PyTorch's ``torch.autograd.grad`` lacks and this module adds:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import Node
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import as_tensor_list, check_choice, is_batching_error
+from gradkit.func._checks import check_bool, check_optional_int
 
 __all__ = ["AggregationMethod", "UnconnectedGradients", "gradients", "hessians"]
 
@@ -157,8 +159,59 @@ def _default_grad_ys(ys: list[torch.Tensor], grad_ys: Any, call: str) -> list[to
                     "pass a grad_y shaped like its y",
                 )
             )
+        elif g.dtype != y.dtype:
+            raise TypeError(
+                message(
+                    call,
+                    f"grad_ys[{i}]",
+                    f"dtype {y.dtype} (that of ys[{i}], as TensorFlow requires)",
+                    describe(g),
+                    f"convert it with grad_ys[{i}].to(ys[{i}].dtype)",
+                )
+            )
+        elif g.device != y.device:
+            raise ValueError(
+                message(
+                    call,
+                    f"grad_ys[{i}]",
+                    f"a tensor on {y.device} (that of ys[{i}])",
+                    f"a tensor on {g.device}",
+                    f"move it with grad_ys[{i}].to(ys[{i}].device)",
+                )
+            )
         out.append(g)
     return out
+
+
+def _check_xs(x_list: list[torch.Tensor], call: str) -> None:
+    """Floating-point xs must require grad: a gradient w.r.t. a tensor autograd does not track
+    cannot be computed (it is not 'unconnected': the graph never recorded it)."""
+    for i, x in enumerate(x_list):
+        if (x.is_floating_point() or x.is_complex()) and not x.requires_grad:
+            raise ValueError(
+                message(
+                    call,
+                    f"xs[{i}]",
+                    "a tensor that requires grad (autograd records nothing about the others)",
+                    f"{describe(x)} with requires_grad=False",
+                    "call x.requires_grad_() before computing ys from x, or leave it out of xs",
+                )
+            )
+
+
+@contextlib.contextmanager
+def _freed_graph(call: str) -> Iterator[None]:
+    """Word autograd's error about a graph freed by an earlier backward."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "backward through the graph a second time" not in str(err):
+            raise
+        raise GradkitError(
+            f"{call}: the graph of ys was freed by an earlier backward (.backward() or a call "
+            "with retain_graph=False); recompute ys, or keep the graph with retain_graph=True "
+            "(the default of gradients) in the earlier call"
+        ) from err
 
 
 def gradients(
@@ -171,7 +224,7 @@ def gradients(
     aggregation_method: Any = None,
     create_graph: bool = False,
     retain_graph: bool = True,
-) -> list[torch.Tensor | None]:
+) -> list[torch.Tensor]:
     r"""Derivatives of the sum of ``ys`` with respect to ``xs``, with TensorFlow's contract.
 
     .. math:: \text{out}_i = \frac{\partial}{\partial x_i} \sum_j \langle y_j, g_j \rangle,
@@ -196,7 +249,16 @@ def gradients(
     Returns:
         A list with one entry per ``x`` (same shape as ``x``), ``None`` or zeros where
         unconnected. A sparse gradient (``nn.Embedding(sparse=True)``) comes back as a coalesced
-        sparse COO tensor (duplicate rows summed).
+        sparse COO tensor (duplicate rows summed). Annotated ``list[Tensor]``, as
+        ``torch.autograd.grad`` annotates its result, so that ``(g,) = gradients(y, x)``
+        type-checks: the ``None`` of an unconnected ``x`` is not in the annotation (pass
+        ``unconnected_gradients="zero"`` to never get one).
+
+    Raises:
+        ValueError: a floating-point ``x`` that does not require grad (autograd recorded
+            nothing about it), or ``grad_ys`` of the wrong shape, count or device.
+        TypeError: ``grad_ys`` of another dtype than their ``ys`` (as TensorFlow).
+        GradkitError: the graph of ``ys`` was freed by an earlier backward.
 
     Examples:
         TensorFlow's documented example: partial vs total derivatives.
@@ -220,8 +282,11 @@ def gradients(
     call = "gradients(ys, xs)"
     check_choice(unconnected_gradients, ("none", "zero"), call, "unconnected_gradients")
     _check_aggregation(aggregation_method, call)
+    check_bool(create_graph, call, "create_graph")
+    check_bool(retain_graph, call, "retain_graph")
     y_list, _ = as_tensor_list(ys, call, "ys")
     x_list, _ = as_tensor_list(xs, call, "xs")
+    _check_xs(x_list, call)
     g_list = _default_grad_ys(y_list, grad_ys, call)
     stop_list: list[torch.Tensor] = []
     if stop_gradients is not None:
@@ -242,14 +307,15 @@ def gradients(
     if wanted:
         handles = [n.register_prehook(_zero_pre_hook) for n in stop_nodes]
         try:
-            grads = torch.autograd.grad(
-                [y for y, _ in pairs],
-                [x_list[i] for i in wanted],
-                grad_outputs=[g for _, g in pairs],
-                retain_graph=retain_graph or create_graph,
-                create_graph=create_graph,
-                allow_unused=True,
-            )
+            with _freed_graph(call):
+                grads = torch.autograd.grad(
+                    [y for y, _ in pairs],
+                    [x_list[i] for i in wanted],
+                    grad_outputs=[g for _, g in pairs],
+                    retain_graph=retain_graph or create_graph,
+                    create_graph=create_graph,
+                    allow_unused=True,
+                )
         finally:
             for h in handles:
                 h.remove()
@@ -259,7 +325,8 @@ def gradients(
         results = [
             torch.zeros_like(x) if r is None else r for x, r in zip(x_list, results, strict=True)
         ]
-    return results
+    # None entries (unconnected xs) are not in the annotation, as in torch.autograd.grad's
+    return cast(list[torch.Tensor], results)
 
 
 def _flat_hessian_rows(
@@ -304,7 +371,7 @@ def hessians(
     aggregation_method: Any = None,
     chunk_size: int | None = None,
     create_graph: bool = False,
-) -> list[torch.Tensor | None]:
+) -> list[torch.Tensor]:
     r"""Hessian of ``sum(ys)`` with respect to each ``x``, TensorFlow's ``tf.hessians``.
 
     .. math:: H_i = \frac{\partial^2 \sum_j \text{sum}(y_j)}{\partial x_i \, \partial x_i}
@@ -321,8 +388,9 @@ def hessians(
         create_graph: build the graph of the result.
 
     Returns:
-        One tensor of shape ``x.shape + x.shape`` per ``x`` (``None`` or zeros if unconnected).
-        A function whose second derivative is identically zero gives zeros.
+        One tensor of shape ``x.shape + x.shape`` per ``x`` (``None`` or zeros if unconnected;
+        annotated ``list[Tensor]`` as :func:`gradients`). A function whose second derivative is
+        identically zero gives zeros.
 
     Examples:
         >>> import torch
@@ -339,8 +407,11 @@ def hessians(
     call = "hessians(ys, xs)"
     check_choice(unconnected_gradients, ("none", "zero"), call, "unconnected_gradients")
     _check_aggregation(aggregation_method, call)
+    chunk_size = check_optional_int(chunk_size, call, "chunk_size")
+    check_bool(create_graph, call, "create_graph")
     x_list, _ = as_tensor_list(xs, call, "xs")
-    firsts = gradients(ys, x_list, create_graph=True)
+    _check_xs(x_list, call)
+    firsts: list[torch.Tensor | None] = list(gradients(ys, x_list, create_graph=True))
     out: list[torch.Tensor | None] = []
     for x, g in zip(x_list, firsts, strict=True):
         if g is None:
@@ -352,6 +423,8 @@ def hessians(
         elif not g.requires_grad:  # second derivative identically zero
             out.append(torch.zeros((*x.shape, *x.shape), dtype=x.dtype, device=x.device))
         else:
-            rows = _flat_hessian_rows(g, x, chunk_size, create_graph)
+            with _freed_graph(call):
+                rows = _flat_hessian_rows(g, x, chunk_size, create_graph)
             out.append(rows.reshape((*x.shape, *x.shape)))
-    return out
+    # None entries (unconnected xs) are not in the annotation, as in torch.autograd.grad's
+    return cast(list[torch.Tensor], out)

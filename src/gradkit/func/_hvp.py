@@ -13,26 +13,30 @@ Convention, pinned by a test: for :math:`f(x) = \\tfrac12 x^\\top A x` the Hessi
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
 
 import torch
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, is_batching_error
-from gradkit.func._transforms import _as_tuple, _check_like, _check_scalar, _name
+from gradkit.func._checks import check_bool, check_callable, check_optional_int, is_transformed
+from gradkit.func._common import (
+    _as_tuple,
+    _check_differentiable,
+    _check_like,
+    _check_scalar,
+    _name,
+)
+from gradkit.func._state import TensorState, graph_leaves
 
 __all__ = ["HVPOperator", "hvp", "hvp_operator"]
 
 logger = logging.getLogger(__name__)
 
 _METHODS = ("auto", "reverse_over_reverse", "forward_over_reverse")
-
-
-def _is_transformed(t: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check(t)) if check is not None else False
 
 
 def _second_grads(
@@ -69,6 +73,22 @@ def _second_grads(
     ]
 
 
+@overload
+def hvp(
+    f: Callable[..., torch.Tensor], args: torch.Tensor, v: Any, *, method: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def hvp(
+    f: Callable[..., torch.Tensor],
+    args: Sequence[torch.Tensor],
+    v: Any,
+    *,
+    method: str = "auto",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...
+
+
 def hvp(
     f: Callable[..., torch.Tensor], args: Any, v: Any, *, method: str = "auto"
 ) -> tuple[torch.Tensor, Any]:
@@ -99,12 +119,14 @@ def hvp(
         tensor([0.])
     """
     call = f"hvp({_name(f)})"
+    check_callable(f, call)
     check_choice(method, _METHODS, call, "method")
     primals, was_seq = _as_tuple(args, call, "args")
+    _check_differentiable(primals, range(len(primals)), call, argnums=False)
     vs, _ = _as_tuple(v, call, "v")
     _check_like(vs, primals, call, "v", "argument")
     if method == "forward_over_reverse" or (
-        method == "auto" and any(_is_transformed(p) for p in (*primals, *vs))
+        method == "auto" and any(is_transformed(p) for p in (*primals, *vs))
     ):
 
         def grad_f(*p: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -151,6 +173,17 @@ class HVPOperator:
     (:meth:`flatten` / :meth:`unflatten` convert). Follows scipy's convention: ``op @ v`` for a
     vector ``[n]``, ``op @ V`` for a matrix ``[n, k]`` whose columns are vectors.
 
+    The operator is the Hessian at the point it was built at and cannot recompute itself (the
+    function is not kept, only its graph). A product after that point changed raises a
+    :class:`~gradkit.GradkitError` instead of mixing old and new values: the differentiated
+    tensors and the parameters the function captured are compared before every product by
+    version counter (``optimizer.step()``, ``p.add_`` under ``no_grad``), storage and values
+    (an edit of ``p.data`` bumps no version; a copy of them is kept); for
+    :func:`gradkit.func.module_hvp_operator` also every parameter, buffer and module mode of the
+    model. :func:`gradkit.func.hvp_operator` differentiates a copy of ``args``: later edits of
+    ``args`` do not move the point. Build a new operator after an optimizer step, or use
+    :class:`gradkit.curvature.Hessian`, which follows the model.
+
     Attributes:
         shape: ``(n, n)``.
         value: the scalar at the point (detached).
@@ -168,11 +201,23 @@ class HVPOperator:
         names: Sequence[str] | None = None,
         shapes: Sequence[torch.Size] | None = None,
         vectorize: bool | None = None,
+        track: Sequence[tuple[str, torch.Tensor]] | None = None,
+        modules: torch.nn.Module | None = None,
+        rebuild: str = "hvp_operator(f, args)",
     ) -> None:
+        chunk_size = check_optional_int(chunk_size, call, "chunk_size")
+        vectorize = check_bool(vectorize, call, "vectorize", optional=True)
         _check_scalar(value, call)
         _check_one_dtype(xs, call)
         self._xs = list(xs)
         self._gs = torch.autograd.grad(value, self._xs, create_graph=True, allow_unused=True)
+        if track is None:  # the arguments, and the leaves the function captured (parameters)
+            own = {id(x) for x in self._xs}
+            captured = [t for t in graph_leaves([value]) if id(t) not in own]
+            track = [(f"argument {i}", x) for i, x in enumerate(self._xs)]
+            track += [(f"captured {describe(t)}", t) for t in captured]
+        self._state = TensorState(track, modules=modules)
+        self._rebuild = rebuild
         self._sizes = [x.numel() for x in self._xs]
         self._shapes = (
             [torch.Size(s) for s in shapes] if shapes is not None else [x.shape for x in self._xs]
@@ -199,7 +244,7 @@ class HVPOperator:
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Concatenate tensors shaped like the arguments into one vector ``[n]``."""
         refs = [torch.empty(s, device="meta") for s in self._shapes]
-        _check_like(tensors, refs, self._call, "tensors", "argument")
+        _check_like(tensors, refs, self._call, "tensors", "argument", dtype=False)
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
@@ -228,7 +273,37 @@ class HVPOperator:
         """``H v`` for a flat vector ``v`` of shape ``[n]``."""
         return self._apply(self._check_vector(v))
 
+    def _check_current(self) -> None:
+        """Refuse products after the point changed: the kept graph holds the old values."""
+        why = self._state.changed()
+        if why is not None:
+            raise GradkitError(
+                f"{self._call} @ v: the operator was built at other values ({why} after it "
+                "was built); its kept graph holds the old values, so products would mix old and "
+                "new ones. "
+                f"Build a new operator at the current values ({self._rebuild}), or use "
+                "gradkit.curvature.Hessian(model, loss_fn, data), which follows the model"
+            )
+
+    @contextlib.contextmanager
+    def _inplace_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as err:
+            if "modified by an inplace operation" not in str(err):
+                raise
+            raise GradkitError(
+                f"{self._call} @ v: a tensor the function depends on was modified in place "
+                f"after the operator was built ({str(err).split(';')[0]}); build a new operator "
+                f"at the current values ({self._rebuild})"
+            ) from err
+
     def _apply(self, v: torch.Tensor) -> torch.Tensor:
+        self._check_current()
+        with self._inplace_errors():
+            return self._apply_unchecked(v)
+
+    def _apply_unchecked(self, v: torch.Tensor) -> torch.Tensor:
         if len(self._xs) == 1:  # one flat leaf: no split, no concatenation
             return _second_grads(self._gs, self._xs, [v.view(self._xs[0].shape)])[0].reshape(-1)
         vs = [p.view(x.shape) for p, x in zip(v.split(self._sizes), self._xs, strict=True)]
@@ -239,8 +314,13 @@ class HVPOperator:
         return self._apply_columns(self._check_vector(V))
 
     def _apply_columns(self, V: torch.Tensor) -> torch.Tensor:
+        self._check_current()
+        with self._inplace_errors():
+            return self._apply_columns_unchecked(V)
+
+    def _apply_columns_unchecked(self, V: torch.Tensor) -> torch.Tensor:
         if not self.vectorize:
-            return torch.stack([self._apply(c) for c in V.T], dim=1)
+            return torch.stack([self._apply_unchecked(c) for c in V.T], dim=1)
         k = V.shape[1]
         step = k if self.chunk_size is None else self.chunk_size
         cols = []
@@ -259,7 +339,7 @@ class HVPOperator:
                 logger.debug(
                     "%s: vectorized backward failed (%s); one vector at a time", self._call, err
                 )
-                cols.append(torch.stack([self._apply(c) for c in block], dim=1))
+                cols.append(torch.stack([self._apply_unchecked(c) for c in block], dim=1))
         return torch.cat(cols, dim=1)
 
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
@@ -333,7 +413,9 @@ def hvp_operator(
                 [1., 4.]])
     """
     call = f"hvp_operator({_name(f)})"
+    check_callable(f, call)
     primals, _ = _as_tuple(args, call, "args")
+    _check_differentiable(primals, range(len(primals)), call, argnums=False)
     _check_one_dtype(primals, call)
     with torch.enable_grad():
         # one flat leaf with the arguments as views: products need no split or concatenation

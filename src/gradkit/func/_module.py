@@ -18,15 +18,19 @@ flat parameter vector.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_module
+from gradkit._validate import check_choice, check_module
+from gradkit.func._checks import check_bool, check_callable
+from gradkit.func._common import _check_scalar
 from gradkit.func._hvp import HVPOperator, _second_grads
-from gradkit.func._transforms import _check_scalar, hessian, jacobian
+from gradkit.func._jacobian import jacobian
+from gradkit.func._state import named_state
+from gradkit.func._transforms import hessian
 
 __all__ = [
     "module_grad",
@@ -46,8 +50,18 @@ def _select(model: nn.Module, params: Iterable[str] | None, call: str) -> dict[s
     if params is None:
         chosen = {n: p for n, p in named.items() if p.requires_grad}
     else:
+        if not isinstance(params, (str, Iterable)) or isinstance(params, (bytes, dict)):
+            raise TypeError(
+                message(
+                    call,
+                    "params",
+                    "None, a parameter name or a list of names",
+                    describe(params),
+                    f"pass e.g. params={sorted(named)[:2]}",
+                )
+            )
         names = [params] if isinstance(params, str) else list(params)
-        unknown = [n for n in names if n not in named]
+        unknown = [n for n in names if not isinstance(n, str) or n not in named]
         if unknown:
             raise ValueError(
                 message(
@@ -56,6 +70,17 @@ def _select(model: nn.Module, params: Iterable[str] | None, call: str) -> dict[s
                     "names from model.named_parameters()",
                     repr(unknown),
                     f"choose among {sorted(named)[:8]}",
+                )
+            )
+        frozen = [n for n in names if not named[n].requires_grad]
+        if frozen:
+            raise ValueError(
+                message(
+                    call,
+                    "params",
+                    "parameters with requires_grad=True",
+                    f"frozen {frozen}",
+                    "unfreeze them (p.requires_grad_()) or leave them out of params",
                 )
             )
         chosen = {n: named[n] for n in names}
@@ -87,9 +112,28 @@ def _loss(model: nn.Module, loss_fn: LossFn, batch: Any, call: str) -> torch.Ten
                 "pass batch=(x, y); loss_fn(model(x), y) is differentiated",
             )
         )
+    check_callable(loss_fn, call, "loss_fn", "a loss_fn(output, targets) returning a scalar")
+    _check_examples(batch[0], call)
     loss = loss_fn(_forward(model, batch[0]), batch[1])
     _check_scalar(loss, call)
     return loss
+
+
+def _check_examples(inputs: Any, call: str) -> None:
+    """Refuse a batch of zero examples (its gradient would be 0, or nan for a mean loss)."""
+    first = inputs
+    if isinstance(inputs, tuple):
+        first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    if isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] == 0:
+        raise ValueError(
+            message(
+                call,
+                "batch",
+                "inputs with at least one example along dimension 0",
+                describe(first),
+                "pass a non-empty batch",
+            )
+        )
 
 
 def module_value_and_grad(
@@ -141,13 +185,31 @@ def module_hvp_operator(
     splits a vector by name, ready for :func:`module_hvp`.
     Parameters the loss does not use have zero rows and columns (never a silently zero
     Hessian of the wrong function).
+
+    The operator is the Hessian at the parameters as they are now: after an optimizer step, an
+    edit of ``p.data``, a change of a buffer or of ``train()``/``eval()``, its products raise a
+    :class:`~gradkit.GradkitError` (build a new operator, or use
+    :class:`gradkit.curvature.Hessian`, which follows the model).
     """
     call = f"module_hvp_operator({type(model).__name__})"
     chosen = _select(model, params, call)
     with torch.enable_grad():
         loss = _loss(model, loss_fn, batch, call)
+        inputs = batch[0] if isinstance(batch[0], tuple) else (batch[0],)
+        data = [
+            (f"batch input {i}", t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)
+        ]
+        if isinstance(batch[1], torch.Tensor):
+            data.append(("batch targets", batch[1]))
         return HVPOperator(
-            loss, list(chosen.values()), chunk_size=chunk_size, call=call, names=list(chosen)
+            loss,
+            list(chosen.values()),
+            chunk_size=chunk_size,
+            call=call,
+            names=list(chosen),
+            track=named_state(model, data),
+            modules=model,
+            rebuild="module_hvp_operator(model, loss_fn, batch)",
         )
 
 
@@ -288,6 +350,42 @@ def _split_last(
     return {n: part for n, part in zip(chosen, t.split(sizes, dim=dim), strict=True)}
 
 
+@overload
+def module_hessian(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    params: Iterable[str] | None = None,
+    flat: Literal[False] = False,
+    chunk_size: int | None = None,
+) -> dict[str, dict[str, torch.Tensor]]: ...
+
+
+@overload
+def module_hessian(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    params: Iterable[str] | None = None,
+    flat: Literal[True],
+    chunk_size: int | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def module_hessian(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    *,
+    params: Iterable[str] | None = None,
+    flat: bool,
+    chunk_size: int | None = None,
+) -> torch.Tensor | dict[str, dict[str, torch.Tensor]]: ...
+
+
 def module_hessian(
     model: nn.Module,
     loss_fn: LossFn,
@@ -296,7 +394,7 @@ def module_hessian(
     params: Iterable[str] | None = None,
     flat: bool = False,
     chunk_size: int | None = None,
-) -> Any:
+) -> torch.Tensor | dict[str, dict[str, torch.Tensor]]:
     """The full Hessian of the loss w.r.t. the parameters.
 
     Returns:
@@ -315,10 +413,13 @@ def module_hessian(
                 [4., 8.]])
     """
     call = f"module_hessian({type(model).__name__})"
+    check_bool(flat, call, "flat")
+    check_callable(loss_fn, call, "loss_fn", "a loss_fn(output, targets) returning a scalar")
     chosen = _select(model, params, call)
     flat0, call_with = _flat_call(model, chosen)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         _loss(model, loss_fn, batch, call)  # raises the batch error
+    _check_examples(batch[0], call)
 
     def loss_of(v: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(call_with(v, batch[0]), batch[1])
@@ -382,6 +483,7 @@ def module_jacobian(
         (torch.Size([1, 1, 1, 2]), tensor([[[1.]]]))
     """
     call = f"module_jacobian({type(model).__name__})"
+    check_choice(mode, ("auto", "forward", "reverse"), call, "mode")
     chosen = _select(model, params, call)
     flat0, call_with = _flat_call(model, chosen)
     if _reuses_modules(model):  # see module_hessian: reverse mode on the model itself

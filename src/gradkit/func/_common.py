@@ -1,0 +1,218 @@
+"""Argument checks and small helpers shared by the function transforms of :mod:`gradkit.func`
+(:mod:`._transforms`, :mod:`._jacobian`, :mod:`._hvp`, :mod:`._module`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from gradkit._errors import GradkitError, describe, message
+
+__all__ = [
+    "MODES",
+    "_as_tuple",
+    "_check_chunk",
+    "_check_differentiable",
+    "_check_like",
+    "_check_scalar",
+    "_check_tensor_output",
+    "_check_tensor_tree",
+    "_checked_outputs",
+    "_mutation_errors",
+    "_name",
+    "_substitute",
+    "_vjp",
+]
+
+MODES = ("auto", "forward", "reverse")
+
+
+def _name(f: Callable[..., Any]) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def _check_differentiable(
+    args: Sequence[Any], nums: Sequence[int], call: str, *, argnums: bool = True
+) -> None:
+    for i in nums:
+        a = args[i]
+        if not isinstance(a, torch.Tensor) or not (a.is_floating_point() or a.is_complex()):
+            raise TypeError(
+                message(
+                    call,
+                    f"argument {i}" if argnums else f"args[{i}]",
+                    "a floating-point tensor" + (" (it is in argnums)" if argnums else ""),
+                    describe(a),
+                    "convert it with .double()/.float()"
+                    + (" or leave it out of argnums" if argnums else ""),
+                )
+            )
+
+
+def _substitute(
+    f: Callable[..., Any], args: Sequence[Any], nums: Sequence[int]
+) -> Callable[..., Any]:
+    """``f`` as a function of the arguments at ``nums`` only (the others held fixed)."""
+
+    def g(*diff: torch.Tensor) -> Any:
+        full = list(args)
+        for i, d in zip(nums, diff, strict=True):
+            full[i] = d
+        return f(*full)
+
+    return g
+
+
+@contextlib.contextmanager
+def _mutation_errors(call: str) -> Iterator[None]:
+    """Word torch.func's error about a function that mutates a tensor it captures."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "mutate a captured Tensor" not in str(err):
+            raise
+        raise GradkitError(
+            f"{call}: f: expected a function that changes no tensor it captures, got one that "
+            "modifies a captured tensor in place (e.g. BatchNorm updating its running "
+            "statistics in training mode), which torch.func transforms cannot differentiate; "
+            "put such modules in eval mode (model.eval()), or call the model with "
+            "torch.func.functional_call and copies of its buffers"
+        ) from err
+
+
+def _vjp(f: Callable[..., Any], *primals: torch.Tensor) -> tuple[Any, Callable[..., Any]]:
+    """``torch.func.vjp`` without auxiliary output: ``(f(*primals), vjp_fn)``."""
+    res = torch.func.vjp(f, *primals)
+    return res[0], res[1]
+
+
+def _check_chunk(chunk_size: Any, call: str) -> None:
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(
+            message(
+                call,
+                "chunk_size",
+                "None or a positive int",
+                repr(chunk_size),
+                "pass e.g. chunk_size=64",
+            )
+        )
+
+
+def _check_tensor_output(out: Any, call: str) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            message(
+                call,
+                "f",
+                "a function returning one tensor",
+                describe(out),
+                "return a single tensor (stack or concatenate several)",
+            )
+        )
+    return out
+
+
+def _check_tensor_tree(value: Any, call: str, argument: str, expected: str) -> None:
+    """Raise a TypeError unless every leaf of ``value`` is a tensor (torch.func's rule for
+    outputs and auxiliary values)."""
+    bad = [leaf for leaf in tree_leaves(value) if not isinstance(leaf, torch.Tensor)]
+    if bad:
+        raise TypeError(
+            message(
+                call,
+                argument,
+                expected,
+                f"{describe(value)}, with a {type(bad[0]).__name__} leaf",
+                "return tensors (convert numbers with torch.as_tensor)",
+            )
+        )
+
+
+def _checked_outputs(f: Callable[..., Any], call: str) -> Callable[..., Any]:
+    """``f`` with its outputs checked to be tensors (or tuples of them)."""
+
+    def g(*args: Any) -> Any:
+        out = f(*args)
+        _check_tensor_tree(out, call, "f", "a function returning a tensor or a tuple of tensors")
+        return out
+
+    return g
+
+
+def _check_scalar(out: Any, call: str) -> None:
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        raise ValueError(
+            message(
+                call,
+                "f",
+                "a function returning a scalar tensor",
+                describe(out),
+                "reduce the output (e.g. .sum() or .mean()), "
+                "or use jacobian/vjp for non-scalar outputs",
+            )
+        )
+
+
+def _as_tuple(value: Any, call: str, argument: str) -> tuple[tuple[torch.Tensor, ...], bool]:
+    if isinstance(value, torch.Tensor):
+        return (value,), False
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value), True
+    raise TypeError(
+        message(
+            call,
+            argument,
+            "a tensor or a tuple of tensors",
+            describe(value),
+            f"pass {argument} as a tensor or a tuple of tensors",
+        )
+    )
+
+
+def _check_like(
+    vs: Sequence[torch.Tensor],
+    refs: Sequence[torch.Tensor],
+    call: str,
+    argument: str,
+    ref_name: str,
+    *,
+    dtype: bool = True,
+) -> None:
+    if len(vs) != len(refs):
+        raise ValueError(
+            message(
+                call,
+                argument,
+                f"{len(refs)} tensors (one per {ref_name})",
+                f"{len(vs)}",
+                f"pass one tensor per {ref_name}",
+            )
+        )
+    for i, (v, r) in enumerate(zip(vs, refs, strict=True)):
+        if v.shape != r.shape:
+            raise ValueError(
+                message(
+                    call,
+                    f"{argument}[{i}]",
+                    f"shape {tuple(r.shape)}",
+                    describe(v),
+                    f"shape it like {ref_name} {i}",
+                )
+            )
+        if dtype and v.dtype != r.dtype:
+            raise TypeError(
+                message(
+                    call,
+                    f"{argument}[{i}]",
+                    f"dtype {r.dtype} (that of {ref_name} {i})",
+                    describe(v),
+                    f"convert it with .to({r.dtype})",
+                )
+            )

@@ -1,0 +1,346 @@
+"""Bad inputs to gradkit.func: gradients/hessians, the function transforms, batch_jacobian's
+row-independence precondition, custom_gradient's captured tensors, the HVP operators and the
+module helpers. A refused call leaves the weights and the accumulated gradients as they were;
+rows that must succeed compare with plain autograd or the full Jacobian."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradkit import GradkitError
+from gradkit.func import (
+    batch_jacobian,
+    custom_gradient,
+    grad,
+    gradients,
+    hessians,
+    hvp,
+    hvp_operator,
+    jacobian,
+    jvp,
+    module_grad,
+    module_hessian,
+    module_hvp_operator,
+    module_jacobian,
+    stop_gradient,
+    value_and_grad,
+    vjp,
+)
+from gradkit.testing import assert_close
+
+from ._case import Case
+
+D = torch.float64
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    for p in model.parameters():  # gradients accumulated before the call must survive it
+        p.grad = torch.full_like(p, 0.25)
+    return model
+
+
+def _batch(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, dtype=D, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+
+def _state(*modules: nn.Module) -> Callable[[], Sequence[torch.Tensor]]:
+    return lambda: [
+        t for m in modules for p in m.parameters() for t in (p, p.grad) if t is not None
+    ]
+
+
+# -- batch_jacobian: output row i must depend on input row i only ------------------------------
+
+
+def _row_wise_matches_the_full_jacobian() -> None:
+    model, (x, _) = _mlp(), _batch()
+    full = jacobian(model, x)
+    assert_close(batch_jacobian(model, x), torch.stack([full[i, :, i] for i in range(5)]))
+
+
+_BN = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(D)
+
+
+# -- custom_gradient: captured tensors ---------------------------------------------------------
+
+_LIN = _mlp()[0]
+
+
+@custom_gradient
+def _no_variables(t: torch.Tensor) -> tuple[torch.Tensor, Callable[..., Any]]:
+    return _LIN(t), lambda dy: dy @ _LIN.weight
+
+
+@custom_gradient
+def _with_variables(t: torch.Tensor) -> tuple[torch.Tensor, Callable[..., Any]]:
+    y = torch.tanh(_LIN(t))
+
+    def grad_fn(dy: torch.Tensor, variables: list[torch.Tensor]) -> Any:
+        dz = dy * (1 - y**2)
+        return dz @ _LIN.weight, [dz.T @ t, dz.sum(0)]
+
+    return y, grad_fn
+
+
+@custom_gradient
+def _one_variable_gradient(t: torch.Tensor) -> tuple[torch.Tensor, Callable[..., Any]]:
+    return _LIN(t), lambda dy, variables: (dy @ _LIN.weight, [dy.T @ t])
+
+
+def _captured_weight_gets_its_gradient() -> None:
+    x = _batch()[0].requires_grad_(True)
+    got = gradients(_with_variables(x).sum(), [x, _LIN.weight, _LIN.bias])
+    ref = torch.autograd.grad(torch.tanh(_LIN(x)).sum(), [x, _LIN.weight, _LIN.bias])
+    assert_close(got, list(ref))
+
+
+# -- HVP operators after the point changed ------------------------------------------------------
+
+_STEPPED = _mlp()
+_STEPPED_OP = module_hvp_operator(_STEPPED, F.cross_entropy, _batch())
+_opt = torch.optim.SGD(_STEPPED.parameters(), lr=0.5)
+_opt.step()  # the accumulated gradients of _mlp(): a real in-place step
+
+_EDITED = _mlp()
+_EDITED_OP = module_hvp_operator(_EDITED, F.cross_entropy, _batch())
+_EDITED[2].bias.data.add_(1.0)  # no version counter sees this
+
+_FROZEN = _mlp()
+_FROZEN[0].weight.requires_grad_(False)
+
+_M = _mlp()
+_A = torch.ones(3, requires_grad=True)
+_NO_GRAD = torch.ones(3)
+
+
+def _freed_graph() -> None:
+    y = (_A.exp()).sum()
+    y.backward()
+    gradients(y, [_A])
+
+
+ROWS: list[Case] = [
+    Case(
+        "func.batch_jacobian.rows_mixed_by_the_mean",
+        lambda: batch_jacobian(lambda t: t - t.mean(0), _batch()[0]),
+        GradkitError,
+        ("batch_jacobian(<lambda>)", "row i depends on input row i", "rows [", "jacobian(f, x)"),
+    ),
+    Case(
+        "func.batch_jacobian.softmax_over_the_batch",
+        lambda: batch_jacobian(lambda t: torch.softmax(t, 0), _batch()[0], mode="forward"),
+        GradkitError,
+        ("batch_jacobian(<lambda>)", "depend on other rows", "check_independence=False"),
+    ),
+    Case(
+        "func.batch_jacobian.functional_batch_norm_train",
+        lambda: batch_jacobian(lambda t: F.batch_norm(t, None, None, training=True), _batch()[0]),
+        GradkitError,
+        ("batch norm in training mode", "rows ["),
+    ),
+    Case(
+        "func.batch_jacobian.batch_norm_module_train",
+        lambda: batch_jacobian(_BN, _batch()[0]),
+        GradkitError,
+        ("batch_jacobian(Sequential)", "in place", "model.eval()"),
+        _state(_BN),
+    ),
+    Case("func.batch_jacobian.row_wise_matches_full", _row_wise_matches_the_full_jacobian),
+    Case(
+        "func.batch_jacobian.empty_batch",
+        lambda: batch_jacobian(torch.sin, torch.ones(0, 3)),
+        ValueError,
+        ("batch_jacobian(sin)", "x", "at least one row", "shape=(0, 3)"),
+    ),
+    Case(
+        "func.custom_gradient.captured_weight_without_variables",
+        lambda: _no_variables(_batch()[0]),
+        TypeError,
+        ("custom_gradient(_no_variables)", "grad_fn", "variables", "_LIN.weight", "_LIN.bias"),
+        _state(_LIN),
+    ),
+    Case("func.custom_gradient.captured_weight_gradient", _captured_weight_gets_its_gradient),
+    Case(
+        "func.custom_gradient.variable_gradient_count",
+        lambda: _one_variable_gradient(_batch()[0]).sum().backward(),
+        ValueError,
+        ("custom_gradient(_one_variable_gradient)", "2 variable gradient(s)", "got 1"),
+        _state(_LIN),
+    ),
+    Case(
+        "func.custom_gradient.not_callable",
+        lambda: custom_gradient(3),  # type: ignore[arg-type]
+        TypeError,
+        ("custom_gradient(f)", "f", "callable", "got 3"),
+    ),
+    Case(
+        "func.gradients.x_without_requires_grad",
+        lambda: gradients((_A * _NO_GRAD).sum(), [_NO_GRAD]),
+        ValueError,
+        ("gradients(ys, xs)", "xs[0]", "requires grad", "requires_grad_()"),
+    ),
+    Case(
+        "func.gradients.grad_ys_dtype",
+        lambda: gradients(_A * 2, [_A], [torch.ones(3, dtype=D)]),
+        TypeError,
+        ("grad_ys[0]", "dtype torch.float32", "float64"),
+    ),
+    Case(
+        "func.gradients.grad_ys_on_meta",
+        lambda: gradients(_A * 2, [_A], [torch.ones(3, device="meta")]),
+        ValueError,
+        ("grad_ys[0]", "a tensor on cpu", "meta"),
+    ),
+    Case(
+        "func.gradients.freed_graph",
+        _freed_graph,
+        GradkitError,
+        ("gradients(ys, xs)", "freed", "retain_graph=True"),
+    ),
+    Case(
+        "func.gradients.create_graph_string",
+        lambda: gradients(_A.sum(), [_A], create_graph="yes"),  # type: ignore[arg-type]
+        TypeError,
+        ("create_graph", "True or False", "'yes'"),
+    ),
+    Case(
+        "func.hessians.chunk_size_zero",
+        lambda: hessians((_A**3).sum(), _A, chunk_size=0),
+        ValueError,
+        ("hessians(ys, xs)", "chunk_size", "got 0"),
+    ),
+    Case(
+        "func.hessians.x_without_requires_grad",
+        lambda: hessians((_A * _NO_GRAD).sum(), _NO_GRAD),
+        ValueError,
+        ("hessians(ys, xs)", "xs[0]", "requires grad"),
+    ),
+    Case(
+        "func.jacobian.f_not_callable",
+        lambda: jacobian(3, torch.ones(2)),  # type: ignore[arg-type]
+        TypeError,
+        ("jacobian(int)", "f", "callable", "got 3"),
+    ),
+    Case(
+        "func.jacobian.vectorize_string",
+        lambda: jacobian(torch.sin, torch.ones(2), vectorize="no"),  # type: ignore[arg-type]
+        TypeError,
+        ("jacobian(sin)", "vectorize", "'no'"),
+    ),
+    Case(
+        "func.jacobian.batch_norm_module_train",
+        lambda: jacobian(_BN, _batch()[0]),
+        GradkitError,
+        ("jacobian(Sequential)", "captured tensor in place", "model.eval()"),
+        _state(_BN),
+    ),
+    Case(
+        "func.jvp.tangent_dtype",
+        lambda: jvp(torch.sin, torch.ones(2), torch.ones(2, dtype=D)),
+        TypeError,
+        ("jvp(sin)", "v[0]", "dtype torch.float32", "float64"),
+    ),
+    Case(
+        "func.jvp.integer_point",
+        lambda: jvp(torch.sin, torch.ones(2, dtype=torch.long), torch.ones(2, dtype=torch.long)),
+        TypeError,
+        ("jvp(sin)", "args[0]", "floating-point", "int64"),
+    ),
+    Case(
+        "func.vjp.cotangent_dtype",
+        lambda: vjp(torch.sin, torch.ones(2), torch.ones(2, dtype=D)),
+        TypeError,
+        ("vjp(sin)", "v[0]", "dtype torch.float32"),
+    ),
+    Case(
+        "func.hvp.integer_point",
+        lambda: hvp(lambda t: t.sum(), torch.ones(2, dtype=torch.long), torch.ones(2)),
+        TypeError,
+        ("hvp(<lambda>)", "args[0]", "floating-point"),
+    ),
+    Case(
+        "func.hvp_operator.chunk_size_zero",
+        lambda: hvp_operator(lambda t: (t**3).sum(), torch.ones(2), chunk_size=0),
+        ValueError,
+        ("hvp_operator(<lambda>)", "chunk_size", "got 0"),
+    ),
+    Case(
+        "func.module_hvp_operator.after_optimizer_step",
+        lambda: _STEPPED_OP @ torch.ones(_STEPPED_OP.shape[0], dtype=D),
+        GradkitError,
+        ("module_hvp_operator(Sequential) @ v", "other values", "version", "build a new"),
+        _state(_STEPPED),
+    ),
+    Case(
+        "func.module_hvp_operator.after_p_data_edit",
+        lambda: _EDITED_OP.to_dense(),
+        GradkitError,
+        ("'2.bias'", "other values", "gradkit.curvature.Hessian"),
+        _state(_EDITED),
+    ),
+    Case(
+        "func.module_grad.frozen_parameter_named",
+        lambda: module_grad(_FROZEN, F.cross_entropy, _batch(), params=["0.weight"]),
+        ValueError,
+        ("module_value_and_grad(Sequential)", "params", "frozen ['0.weight']"),
+        _state(_FROZEN),
+    ),
+    Case(
+        "func.module_grad.empty_batch",
+        lambda: module_grad(_M, F.cross_entropy, (_batch()[0][:0], _batch()[1][:0])),
+        ValueError,
+        ("module_value_and_grad(Sequential)", "batch", "at least one example"),
+        _state(_M),
+    ),
+    Case(
+        "func.module_grad.loss_fn_string",
+        lambda: module_grad(_M, "cross_entropy", _batch()),  # type: ignore[arg-type]
+        TypeError,
+        ("loss_fn", "callable", "'cross_entropy'"),
+        _state(_M),
+    ),
+    Case(
+        "func.module_hessian.flat_string",
+        lambda: module_hessian(_M, F.cross_entropy, _batch(), flat="yes"),  # type: ignore[call-overload]
+        TypeError,
+        ("module_hessian(Sequential)", "flat", "'yes'"),
+    ),
+    Case(
+        "func.module_jacobian.mode_unknown",
+        lambda: module_jacobian(_M, _batch()[0], mode="fwd"),
+        ValueError,
+        ("module_jacobian(Sequential)", "mode", "'fwd'"),
+    ),
+    Case(
+        "func.grad.has_aux_string",
+        lambda: grad(lambda t: t.sum(), has_aux="no")(torch.ones(2)),  # type: ignore[arg-type]
+        TypeError,
+        ("grad(<lambda>)", "has_aux", "True or False", "'no'"),
+    ),
+    Case(
+        "func.value_and_grad.aux_not_a_tensor",
+        lambda: value_and_grad(lambda t: (t.sum(), 1), has_aux=True)(torch.ones(2)),
+        TypeError,
+        ("value_and_grad(<lambda>)", "aux", "tensors", "int"),
+    ),
+    Case(
+        "func.jvp.f_returns_a_float",
+        lambda: jvp(lambda t: 1.0, torch.ones(2), torch.ones(2)),
+        TypeError,
+        ("jvp(<lambda>)", "f", "returning a tensor", "float"),
+    ),
+    Case(
+        "func.stop_gradient.list",
+        lambda: stop_gradient([1.0]),  # type: ignore[arg-type]
+        TypeError,
+        ("stop_gradient(x)", "a torch.Tensor", "list"),
+    ),
+]
