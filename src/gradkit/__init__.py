@@ -17,6 +17,7 @@ Pillars (each a subpackage):
 
 from gradkit import accumulate, curvature, func, hyper, optim, per_example, testing
 from gradkit._errors import GradkitError
+from gradkit._validate import expose
 from gradkit._version import __version__
 
 __all__ = [
@@ -30,3 +31,5 @@ __all__ = [
     "per_example",
     "testing",
 ]
+
+expose(globals(), __all__, __name__)

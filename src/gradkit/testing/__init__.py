@@ -8,6 +8,7 @@
 * :func:`run_ranks`: a script as several gloo ranks on this machine, for distributed tests.
 """
 
+from gradkit._validate import expose
 from gradkit.testing._distributed import free_port, run_ranks
 from gradkit.testing._oracles import (
     finite_difference_grad,
@@ -27,3 +28,5 @@ __all__ = [
     "run_ranks",
     "tolerances",
 ]
+
+expose(globals(), __all__, __name__)
