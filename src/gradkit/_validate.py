@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Iterable, Sequence
+from numbers import Real
 from typing import Any
 
 import torch
@@ -11,8 +14,11 @@ from gradkit._errors import describe, message
 
 __all__ = [
     "as_tensor_list",
+    "check_bool",
     "check_choice",
+    "check_int",
     "check_module",
+    "check_number",
     "expose",
     "is_batching_error",
     "normalize_argnums",
@@ -145,3 +151,112 @@ def expose(namespace: dict[str, Any], names: Sequence[str], public: str) -> None
         obj = namespace[name]
         if getattr(obj, "__module__", "").startswith(public + "._"):
             obj.__module__ = public
+
+
+def check_bool(value: Any, call: str, argument: str) -> bool:
+    """Raise a TypeError naming ``call`` and ``argument`` unless ``value`` is a bool (``1``,
+    ``"yes"`` and ``None`` are not: a flag given by position or as a string is a mistake).
+
+    Examples:
+        >>> check_bool(True, "sgd", "nesterov")
+        True
+        >>> check_bool(1, "sgd", "nesterov")
+        Traceback (most recent call last):
+        ...
+        TypeError: sgd: nesterov: expected a bool, got 1; pass nesterov=True or nesterov=False
+    """
+    if not isinstance(value, bool):
+        raise TypeError(
+            message(
+                call,
+                argument,
+                "a bool",
+                describe(value),
+                f"pass {argument}=True or {argument}=False",
+            )
+        )
+    return value
+
+
+def check_int(
+    value: Any,
+    call: str,
+    argument: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    example: str | None = None,
+) -> int:
+    """``value`` as an int in ``[low, high]`` (either bound optional).
+
+    Accepts ints and integer scalars such as ``numpy.int64`` (anything with ``__index__``), not
+    bools or floats (``2.0`` is a TypeError: a float count is usually a mixed-up argument).
+    Wrong type: TypeError; out of range: ValueError.
+
+    Examples:
+        >>> check_int(3, "reverse", "steps", low=1)
+        3
+        >>> check_int(0, "reverse", "steps", low=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: reverse: steps: expected an int >= 1, got 0; pass e.g. steps=1
+    """
+    fix = f"pass e.g. {argument}={example if example is not None else (low or 1)}"
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(message(call, argument, "an int", describe(value), fix))
+    number = operator.index(value)
+    if (low is not None and number < low) or (high is not None and number > high):
+        if high is None:
+            expected = f"an int >= {low}"
+        elif low is None:
+            expected = f"an int <= {high}"
+        else:
+            expected = f"an int in [{low}, {high}]"
+        raise ValueError(message(call, argument, expected, repr(value), fix))
+    return number
+
+
+def check_number(
+    value: Any,
+    call: str,
+    argument: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = True,
+    example: str | None = None,
+) -> float:
+    """``value`` as a float: a real number (int, float, numpy scalar; not a bool, a string or a
+    tensor), finite unless ``finite=False`` (NaN is never accepted), within the bounds
+    (``low_open``/``high_open`` exclude them). Wrong type: TypeError; bad value: ValueError.
+
+    Examples:
+        >>> check_number(1e-3, "implicit", "tol", low=0)
+        0.001
+        >>> check_number(0.0, "adam", "eps", low=0, low_open=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: adam: eps: expected a finite number > 0, got 0.0; pass e.g. eps=...
+    """
+    fix = f"pass e.g. {argument}={example if example is not None else '...'}"
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(message(call, argument, "a number", describe(value), fix))
+    number = float(value)
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        parts.append(f"{'<' if high_open else '<='} {high:g}")
+    expected = ("a finite number" if finite else "a number") + (
+        " " + " and ".join(parts) if parts else ""
+    )
+    bad = math.isnan(number) or (finite and math.isinf(number))
+    if low is not None:
+        bad = bad or (number <= low if low_open else number < low)
+    if high is not None:
+        bad = bad or (number >= high if high_open else number > high)
+    if bad:
+        raise ValueError(message(call, argument, expected, repr(value), fix))
+    return number

@@ -3,6 +3,9 @@ what was received, and what to do."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import pytest
 import torch
 
@@ -117,8 +120,45 @@ def call(**overrides):
             TypeError,
             REV + r"inner_loss: expected a function \(params, batch\) -> scalar",
         ),
-        ({"steps": -1}, ValueError, REV + r"steps: expected an int >= 0, got -1"),
-        ({"steps": 2.0}, ValueError, REV + r"steps: expected an int >= 0, got 2.0"),
+        ({"steps": -1}, ValueError, REV + r"steps: expected an int >= 1, got -1"),
+        ({"steps": 0}, ValueError, REV + r"steps: expected an int >= 1, got 0; pass e.g. steps="),
+        ({"steps": 2.0}, TypeError, REV + r"steps: expected an int, got 2.0"),
+        ({"steps": True}, TypeError, REV + r"steps: expected an int, got True"),
+        ({"steps": "3"}, TypeError, REV + r"steps: expected an int, got '3'"),
+        (
+            {"engine": hyper.forward, "steps": 0},
+            ValueError,
+            r"forward\(.*\): steps: expected an int >= 1, got 0",
+        ),
+        (
+            {"engine": hyper.forward, "steps": 1.0},
+            TypeError,
+            r"forward\(.*\): steps: expected an int, got 1.0",
+        ),
+        (
+            {"engine": hyper.truncated, "steps": 0, "last": 0},
+            ValueError,
+            r"truncated\(.*\): steps: expected an int >= 1, got 0",
+        ),
+        (
+            {"engine": hyper.truncated, "last": True},
+            TypeError,
+            r"truncated\(.*\): last: expected an int, got True",
+        ),
+        (
+            {"engine": hyper.truncated, "last": 2.0},
+            TypeError,
+            r"truncated\(.*\): last: expected an int, got 2.0",
+        ),
+        ({"checkpoint_every": True}, TypeError, REV + r"checkpoint_every: expected None"),
+        ({"checkpoint_every": 2.5}, TypeError, REV + r"checkpoint_every: expected None"),
+        ({"checkpoint_every": -3}, ValueError, REV + r"checkpoint_every: expected None"),
+        ({"full_output": "yes"}, TypeError, REV + r"full_output: expected a bool"),
+        (
+            {"inner_loss": lambda p, b: (X @ p["w"].detach() - Y).pow(2).mean()},
+            ValueError,
+            REV + r"inner_loss: expected a loss that depends on the parameters it is given",
+        ),
         (
             {"checkpoint_every": 0},
             ValueError,
@@ -171,3 +211,27 @@ def test_params0_may_be_a_module_or_named_parameters_or_a_tuple():
     )
     assert torch.equal(a["lr"], b["lr"]) and torch.equal(a["lr"], c["lr"])
     assert net.weight.grad is None
+
+
+@pytest.mark.parametrize(
+    "engine", [hyper.reverse, functools.partial(hyper.truncated, last=2)], ids=["reverse", "trunc"]
+)
+@pytest.mark.parametrize("every", [None, 2])
+def test_batches_that_change_on_replay_are_caught(engine, every):
+    """Before: a batches callable drawing fresh random indices on every call made the replayed
+    steps differ from the forward pass, and the hypergradient mixed two trajectories silently."""
+    gen = torch.Generator().manual_seed(0)
+    Xb, Yb = torch.randn(30, 3, generator=gen, dtype=D), torch.randn(30, generator=gen, dtype=D)
+    f = lambda p, b: ((Xb[b] @ p["w"] - Yb[b]) ** 2).mean()
+    kw = {"steps": 4, "hyper": {"lr": LR}, "checkpoint_every": every}
+    with pytest.raises(
+        ValueError,
+        match=r"batches: expected the same batch whenever step t is asked for \(steps are "
+        r"replayed backwards\), got an inner loss that changed by a relative .* when step \d "
+        r"was replayed; derive sampling",
+    ):
+        calls = itertools.count()  # another batch on every call, as fresh random draws give
+        fresh = lambda t: torch.arange(6) + (next(calls) * 7 + t) % 24
+        engine(f, outer, P0, optim.sgd(lr=LR), batches=fresh, **kw)
+    seeded = lambda t: torch.randint(0, 30, (6,), generator=torch.Generator().manual_seed(t))
+    engine(f, outer, P0, optim.sgd(lr=LR), batches=seeded, **kw)  # replayable: fine

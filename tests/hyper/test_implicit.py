@@ -5,11 +5,14 @@ terms against truncated reverse through K gradient-descent steps at the optimum.
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 
 import pytest
 import torch
 
 from gradkit import hyper, optim
+from gradkit.hyper._implicit import NotStationaryWarning
 from gradkit.testing import assert_close
 
 D = torch.float64
@@ -124,16 +127,121 @@ def test_implicit_errors():
     with pytest.raises(ValueError, match=r"maxiter: expected an int >= 1, got 0"):
         hyper.implicit(inner, outer, w_star, h, maxiter=0)
     with pytest.raises(
-        ValueError, match=r"hyper\['lr'\]: expected a tensor the optimizer or the losses use"
-    ):
+        ValueError,
+        match=r"implicit\(.*\): hyper\['lr'\]: expected a tensor the optimizer or the losses "
+        r"use.*list only tensors inner_loss or outer_loss close over: implicit differentiates "
+        r"at the optimum, which optimizer hyperparameters",
+    ) as info:
         hyper.implicit(inner, outer, w_star, {**h, "lr": torch.tensor(0.1, dtype=D)})
+    assert "sgd(lr=lr)" not in str(info.value)  # no advice about an optimizer implicit lacks
+    concave = lambda p, b: inner(p, b) - 10 * (p["w"] ** 2).sum()
     with pytest.raises(
         ValueError, match=r"inner_loss: expected a Hessian that is positive definite"
     ):
-        hyper.implicit(lambda p, b: inner(p, b) - 10 * (p["w"] ** 2).sum(), outer, w_star, h)
+        hyper.implicit(concave, outer, w_star, h)
     with pytest.raises(
         ValueError, match=r"inner_loss: expected a loss whose gradient depends on params_star"
     ):
         hyper.implicit(lambda p, b: h["l2"] @ p["w"], outer, w_star, h)
     with pytest.raises(TypeError, match=r"outer_loss: expected a function params -> scalar"):
         hyper.implicit(inner, 3.0, w_star, h)
+
+
+CALL = r"implicit\(inner_loss, outer_loss, params_star, hyper\): "
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "pattern"),
+    [
+        ({"maxiter": -5}, ValueError, CALL + r"maxiter: expected an int >= 1, got -5"),
+        ({"maxiter": 10.0}, TypeError, CALL + r"maxiter: expected an int, got 10.0"),
+        ({"maxiter": True}, TypeError, CALL + r"maxiter: expected an int, got True"),
+        ({"tol": -1e-3}, ValueError, CALL + r"tol: expected a finite number >= 0, got -0.001"),
+        ({"tol": math.nan}, ValueError, CALL + r"tol: expected a finite number >= 0, got nan"),
+        ({"tol": "1e-6"}, TypeError, CALL + r"tol: expected a number, got '1e-6'"),
+        ({"damping": math.inf}, ValueError, CALL + r"damping: expected a finite number >= 0"),
+        ({"damping": -1.0}, ValueError, CALL + r"damping: expected a finite number >= 0"),
+        (
+            {"method": "neumann", "alpha": 0.0},
+            ValueError,
+            CALL + r"alpha: expected a finite number > 0, got 0.0",
+        ),
+        ({"alpha": torch.tensor(0.1)}, TypeError, CALL + r"alpha: expected a number, got Tensor"),
+        ({"stationary_tol": -1.0}, ValueError, CALL + r"stationary_tol: expected a number >= 0"),
+        ({"full_output": 1}, TypeError, CALL + r"full_output: expected a bool, got 1"),
+        (
+            {"hyper": {}},
+            TypeError,
+            CALL + r"hyper: expected a non-empty dict .*with tensors inner_loss or outer_loss "
+            r"close over",
+        ),
+        (
+            {"method": "neumann", "alpha": 5.0, "maxiter": 400},
+            ValueError,
+            CALL + r"alpha: expected a solve that stays finite \(alpha below 2 / lambda_max",
+        ),
+    ],
+)
+def test_bad_options_name_implicits_own_arguments(options, error, pattern):
+    """Before: a NaN tol stopped CG before its first product (q = 0, a wrong number without a
+    word), alpha=0 gave a zero Neumann series, a diverging alpha gave inf/NaN silently."""
+    inner, outer, solve, h = _ridge()
+    w_star = {"w": solve(h["l2"], h["c"])}
+    options = dict(options)
+    given = options.pop("hyper", h)
+    with pytest.raises(error, match=pattern):
+        hyper.implicit(inner, outer, w_star, given, **options)
+
+
+def test_a_point_that_is_not_stationary_warns_and_reports_its_gradient_norm():
+    inner, outer, solve, h = _ridge()
+    w_star = solve(h["l2"], h["c"])
+    off = {"w": w_star + 0.05}
+    # the oracle: the gradient of inner_loss at the point, by plain autograd
+    x = off["w"].clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(inner({"w": x}, None), x)
+    with pytest.warns(
+        NotStationaryWarning,
+        match=r"params_star is not a stationary point of inner_loss: \|\|grad "
+        r"inner_loss\(params_star\)\|\| = .* > stationary_tol \* max\(1, \|\|params_star\|\|\)",
+    ):
+        res = hyper.implicit(inner, outer, off, h, full_output=True)
+    assert_close(res.inner_grad_norm, grad.norm(), rtol=1e-12)
+    assert float(res.inner_grad_norm) > 1e-3
+    # accepted explicitly: no warning (warnings are errors in this test suite)
+    quiet = hyper.implicit(inner, outer, off, h, full_output=True, stationary_tol=math.inf)
+    assert_close(quiet.grads, res.grads, rtol=0, atol=0)
+    # an optimizer's stationary_tol large enough for this point: silent as well
+    hyper.implicit(inner, outer, off, h, stationary_tol=2 * float(grad.norm()))
+
+
+def test_a_solved_inner_problem_is_silent_and_reports_a_tiny_gradient_norm():
+    inner, outer, solve, h = _ridge()
+    w_star = solve(h["l2"], h["c"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = hyper.implicit(inner, outer, {"w": w_star}, h, full_output=True)
+    assert float(res.inner_grad_norm) < 1e-12
+
+
+def test_hyperoptimizer_passes_stationary_tol_and_warns_when_training_is_too_short():
+    inner, outer, solve, h = _ridge()
+    params0 = {"w": torch.zeros(FEATURES, dtype=D)}
+    l2 = h["l2"].clone()
+    ridge = lambda p, b: inner(p, b) + 0.5 * ((l2 - h["l2"]) * p["w"] ** 2).sum()
+    hopt = hyper.HyperOptimizer(
+        ridge, outer, params0, optim.sgd(lr=0.5), {"l2": l2}, method="implicit", steps=3
+    )
+    with pytest.warns(NotStationaryWarning):
+        hopt.step()
+    hopt = hyper.HyperOptimizer(
+        ridge,
+        outer,
+        params0,
+        optim.sgd(lr=0.5),
+        {"l2": l2},
+        method="implicit",
+        steps=3,
+        implicit_options={"stationary_tol": math.inf},
+    )
+    hopt.step()

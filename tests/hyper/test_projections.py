@@ -205,8 +205,35 @@ def test_input_is_not_modified():
             ValueError,
             r"low, high: expected low <= high",
         ),
+        (
+            lambda: hyper.project_capped_simplex(torch.tensor([0.9, math.nan]), radius=1.0),
+            ValueError,
+            r"project_capped_simplex\(.*\): x: expected finite entries, got nan at flat index 1",
+        ),
+        (
+            lambda: hyper.project_simplex(torch.tensor([math.inf, 0.0])),
+            ValueError,
+            r"project_simplex\(x, radius\): x: expected finite entries, got inf",
+        ),
+        (
+            lambda: hyper.project_l1_ball(torch.tensor([math.nan])),
+            ValueError,
+            r"project_l1_ball\(x, radius\): x: expected finite entries",
+        ),
+        (
+            lambda: hyper.project_box(torch.tensor([math.nan, 2.0])),
+            ValueError,
+            r"project_box\(x, low, high\): x: expected entries that are not NaN",
+        ),
+        (
+            lambda: hyper.projection("simplex", radius=True),
+            TypeError,
+            r"projection\(name, \*\*options\): project_simplex\(x, radius\): radius: expected a "
+            r"number, got True",
+        ),
     ],
 )
 def test_errors_name_the_call_and_argument(call, error, pattern):
+    """Before: one NaN entry made every entry of a capped-simplex projection NaN, silently."""
     with pytest.raises(error, match=pattern):
         call()

@@ -3,6 +3,9 @@ expected, what was received, and what to do."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -134,8 +137,8 @@ def test_bad_updates_are_explained():
     with pytest.raises(
         ValueError,
         match=(
-            r"sgd.update: grads\['b'\]: expected a tensor of shape \(3,\) \(the "
-            r"parameter's\), got Tensor\(shape=\(4,\)"
+            r"sgd.update: grads\['b'\]: expected a tensor of the parameter's shape \(3,\) and "
+            r"dtype torch.float32, got Tensor\(shape=\(4,\)"
         ),
     ):
         opt.update({"w": G["w"], "b": torch.ones(4)}, state, P)
@@ -169,7 +172,7 @@ def test_bad_updates_are_explained():
     ):
         opt.update(G, state, P, lr=(0.1, 0.2))
     with pytest.raises(
-        ValueError, match=r"adam.update: betas: expected a pair \('beta1', 'beta2'\)"
+        TypeError, match=r"adam.update: betas: expected a pair \('beta1', 'beta2'\)"
     ):
         optim.adam().update(G, optim.adam().init(P), P, betas=0.9)
 
@@ -204,3 +207,149 @@ def test_bad_layouts_are_explained():
         "maximize=False)"
     )
     assert optim.sgd.__module__ == "gradkit.optim" and optim.SGDState.__module__ == "gradkit.optim"
+
+
+TENSOR_MSG = r"expected a tensor of finite values"
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "pattern"),
+    [
+        (lambda: optim.sgd(lr=torch.tensor(-0.1)), ValueError, r"sgd: lr: " + TENSOR_MSG + " >= 0"),
+        (lambda: optim.sgd(lr=torch.tensor(math.nan)), ValueError, r"sgd: lr: .*got nan"),
+        (lambda: optim.adam(lr=torch.tensor(math.inf)), ValueError, r"adam: lr: .*got inf"),
+        (
+            lambda: optim.sgd(lr=torch.tensor(-0.1, requires_grad=True)),
+            ValueError,
+            r"sgd: lr: " + TENSOR_MSG + r".*may require grad, but its value must be valid",
+        ),
+        (
+            lambda: optim.sgd(lr=torch.tensor([0.1, -0.2, 0.3])),
+            ValueError,
+            r"sgd: lr: .*got -0.2\d* \(entry 1 of a tensor of shape \(3,\)\)",
+        ),
+        (
+            lambda: optim.sgd(lr={"w": torch.tensor([[0.1], [-1.0]])}),
+            ValueError,
+            r"sgd: lr\['w'\]: " + TENSOR_MSG,
+        ),
+        (
+            lambda: optim.adam(eps=torch.tensor(0.0)),
+            ValueError,
+            r"adam: eps: " + TENSOR_MSG + " > 0",
+        ),
+        (
+            lambda: optim.adam(betas=(torch.tensor(1.0), 0.9)),
+            ValueError,
+            r"adam: beta1: " + TENSOR_MSG + " >= 0 and < 1, got 1.0",
+        ),
+        (lambda: optim.rmsprop(alpha=torch.tensor(1.5)), ValueError, r"rmsprop: alpha: .*<= 1"),
+        (lambda: optim.sgd(lr=torch.tensor(1j)), TypeError, r"sgd: lr: expected a floating-point"),
+        (
+            lambda: optim.adam(eps=0.0),
+            ValueError,
+            r"adam: eps: expected a finite value > 0, got 0.0",
+        ),
+        (lambda: optim.adamw(eps=-1e-8), ValueError, r"adamw: eps: expected a finite value > 0"),
+        (lambda: optim.rmsprop(eps=0), ValueError, r"rmsprop: eps: expected a finite value > 0"),
+        (lambda: optim.adam(betas="ab"), TypeError, r"adam: betas: expected a pair"),
+        (lambda: optim.adam(betas=0.9), TypeError, r"adam: betas: expected a pair"),
+        (lambda: optim.adam(betas=(0.9, 0.99, 0.9)), ValueError, r"adam: betas: expected a pair"),
+        (lambda: optim.adam(betas=(-0.1, 0.9)), ValueError, r"adam: beta1: expected a finite"),
+        (lambda: optim.adam(betas=(0.9, "0.99")), TypeError, r"adam: beta2: expected a number"),
+        (lambda: optim.sgd(0.1, momentum="0.9"), TypeError, r"sgd: momentum: expected a number"),
+        (
+            lambda: optim.sgd(lr=None),
+            TypeError,
+            r"sgd: lr: expected a number or a tensor, got None",
+        ),
+        (lambda: optim.sgd(lr=[0.1, "x"]), TypeError, r"sgd: lr\[1\]: expected a number"),
+        (lambda: optim.rmsprop(centered="no"), TypeError, r"rmsprop: centered: expected a bool"),
+        (lambda: optim.adam(maximize=0), TypeError, r"adam: maximize: expected a bool, got 0"),
+    ],
+)
+def test_tensor_hyperparameters_are_checked_like_numbers(build, error, pattern):
+    """Before: ``lr=torch.tensor(-0.1)`` (or NaN, inf, a negative schedule entry) was accepted
+    and trained uphill or into NaN without a word; eps=0 gave 0/0 for unused weights."""
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+def test_valid_tensor_hyperparameters_still_work_and_stay_differentiable():
+    lr = torch.tensor(0.1, requires_grad=True)
+    opt = optim.sgd(lr=lr, momentum=torch.tensor(0.9, dtype=torch.float64))
+    new, _ = opt.update(G, opt.init(P), P)
+    (g,) = torch.autograd.grad(new["w"].sum(), lr)
+    assert torch.equal(g, -G["w"].sum())  # d(w - lr g)/d lr = -g
+    assert isinstance(optim.sgd(lr=np.float32(0.1)).hyperparams["lr"], float)  # numpy scalars
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [
+        (
+            lambda o, s: o.update({"w": torch.ones(2, 3, dtype=torch.float64), "b": G["b"]}, s, P),
+            ValueError,
+            r"sgd.update: grads\['w'\]: expected a tensor of the parameter's shape \(2, 3\) and "
+            r"dtype torch.float32, got Tensor\(shape=\(2, 3\), dtype=torch.float64\)",
+        ),
+        (
+            lambda o, s: o.update(G, s, {"w": torch.ones(2, 3, dtype=torch.long), "b": P["b"]}),
+            TypeError,
+            r"sgd.update: params\['w'\]: expected a floating-point tensor",
+        ),
+        (
+            lambda o, s: o.update(G, s, P, return_delta="yes"),
+            TypeError,
+            r"sgd.update: return_delta: expected a bool",
+        ),
+        (
+            lambda o, s: o.update(G, s, P, lr=torch.tensor(-1.0)),
+            ValueError,
+            r"sgd.update: lr: expected a tensor of finite values >= 0",
+        ),
+        (
+            lambda o, s: o.update(
+                G, s._replace(momentum_buffer={"w": torch.ones(1), "b": P["b"]}), P
+            ),
+            ValueError,
+            r"sgd.update: state.momentum_buffer\['w'\]: expected a buffer like its parameter",
+        ),
+        (
+            lambda o, s: optim.sgd(
+                0.1, mask={"w": torch.ones(3, dtype=torch.bool), "b": None}
+            ).update(G, s, P),
+            ValueError,
+            r"sgd.update: mask\['w'\]: expected a boolean tensor of the parameter's shape \(2, 3\)",
+        ),
+        (
+            lambda o, s: optim.apply_updates(P, {"w": torch.ones(1), "b": P["b"]}),
+            ValueError,
+            r"apply_updates\(params, delta\): delta\['w'\]: expected a tensor of the parameter's "
+            r"shape \(2, 3\)",
+        ),
+        (
+            lambda o, s: optim.state_layout(P, s).unflatten(torch.zeros(18), step=-1),
+            ValueError,
+            r"StateLayout.unflatten: step: expected an int >= 0, got -1",
+        ),
+        (
+            lambda o, s: optim.state_layout(P, s).flatten(P, s, out=torch.zeros(3)),
+            ValueError,
+            r"StateLayout.flatten: out: expected a 1-d tensor of 18 elements",
+        ),
+        (
+            lambda o, s: optim.state_layout({"w": torch.ones(3), "b": P["b"]}, s),
+            ValueError,
+            r"state_layout\(params, state\): state.momentum_buffer\['w'\]: expected a buffer "
+            r"shaped like its parameter \(3,\)",
+        ),
+    ],
+)
+def test_bad_update_arguments_are_explained(call, error, pattern):
+    """Before: a float64 gradient for a float32 weight, an int weight, a slot or a mask of
+    another shape gave raw torch errors, silent broadcasting or truncated int weights."""
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = opt.init(P)
+    with pytest.raises(error, match=pattern):
+        call(opt, state)

@@ -20,7 +20,7 @@ optimizer was built with or that the losses close over.
 
 from gradkit._validate import expose
 from gradkit.hyper._forward import forward
-from gradkit.hyper._implicit import implicit
+from gradkit.hyper._implicit import NotStationaryWarning, implicit
 from gradkit.hyper._optimizer import HyperOptimizer, HyperStep
 from gradkit.hyper._problem import HyperResult
 from gradkit.hyper._projections import (
@@ -36,6 +36,7 @@ __all__ = [
     "HyperOptimizer",
     "HyperResult",
     "HyperStep",
+    "NotStationaryWarning",
     "forward",
     "implicit",
     "project_box",

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from gradkit._forward_ad import load_decompositions
+from gradkit._validate import check_bool
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
@@ -56,6 +58,7 @@ def _set_version(t: torch.Tensor, version: int) -> None:
 def _seeded(h: torch.Tensor, index: int) -> Iterator[None]:
     """Give ``h`` the tangent ``e_index`` (inside a dual level), values unchanged; a negative
     index gives no tangent."""
+    load_decompositions()
     if index < 0:
         yield
         return
@@ -100,11 +103,13 @@ def _pass(
     structure, opt, call = dyn.structure, dyn.opt, dyn.call
     ps: list[Pair] = []
     slots: dict[str, list[Pair]] = {}
+    counts: Any = None
     for t in range(-1, steps):
         with fwAD.dual_level(), _seeded(h, index):
             if t < 0:  # the initial state: params0 may hold h itself (initial weights)
                 ps = [_unpack(p) for p in leaves(dyn.params0, structure, call, "params0")]
                 state = opt.init(dyn.params0)
+                counts = state.counts
                 slots = {
                     f: [_unpack(v) for v in leaves(getattr(state, f), structure, call, f)]
                     for f in opt.slots
@@ -113,12 +118,17 @@ def _pass(
             xs = [_pack(p, requires_grad=True) for p in ps]
             params = rebuild(structure, xs)
             state = dyn.state0._replace(
-                step=t, **{f: rebuild(structure, [_pack(v) for v in vs]) for f, vs in slots.items()}
+                step=t,
+                counts=counts,
+                **{f: rebuild(structure, [_pack(v) for v in vs]) for f, vs in slots.items()},
             )
             with torch.enable_grad():
                 loss = dyn.inner_loss(params, dyn.batch(t))
                 gs = grads_of(loss, xs, call, create_graph=True)
-                new_params, state = opt.update(rebuild(structure, gs), state, params)
+                grads = rebuild(structure, gs)
+                new_params, state = opt.update(grads, state, params)
+            dyn.record(t, state, grads)
+            counts = state.counts
             ps = [_unpack(p) for p in leaves(new_params, structure, call, "params")]
             slots = {
                 f: [_unpack(v) for v in leaves(getattr(state, f), structure, call, f)]
@@ -152,7 +162,8 @@ def forward(
     :func:`reverse` for many (per-example weights).
 
     Args:
-        inner_loss, outer_loss, params0, opt, steps, hyper, batches: as :func:`reverse`.
+        inner_loss, outer_loss, params0, opt, steps, hyper, batches: as :func:`reverse`
+            (a parameter without a gradient at a step is skipped, as there).
         full_output: return a :class:`HyperResult` (grads, outer loss, last iterate).
 
     Returns:
@@ -175,6 +186,7 @@ def forward(
     call = "forward(inner_loss, outer_loss, params0, opt)"
     names, hypers = check_hyper(hyper, call)
     steps = check_steps(steps, call)
+    check_bool(full_output, call, "full_output")
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
     grads = {
         name: torch.zeros_like(h, memory_format=torch.contiguous_format)
@@ -185,6 +197,8 @@ def forward(
         flat = grads[name].view(-1)
         for index in range(h.numel()):
             value, tangent, final = _pass(dyn, steps, h, index)
+            if not dyn.any_gradient:
+                raise dyn.no_gradient_error()
             if tangent is None:
                 raise unused_error(call, name)
             flat[index] = tangent.to(flat.dtype)

@@ -16,13 +16,14 @@ each needing only products :math:`Hv` (double backward through the kept graph of
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gradkit._errors import message
-from gradkit._validate import check_choice
+from gradkit._validate import check_bool, check_choice, check_int, check_number
 from gradkit.hyper._problem import (
     HyperResult,
     check_callable,
@@ -34,7 +35,7 @@ from gradkit.hyper._problem import (
 )
 from gradkit.optim._tree import leaves, rebuild, structure_of
 
-__all__ = ["implicit"]
+__all__ = ["NotStationaryWarning", "implicit"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,37 @@ _METHODS = ("cg", "neumann", "fixed_point")
 _MAXITER = {"cg": 200, "neumann": 100, "fixed_point": 1000}
 
 HVP = Callable[[torch.Tensor], torch.Tensor]
+
+STATIONARY_TOL = 1e-4
+"""Default ``stationary_tol`` of :func:`implicit`."""
+
+_CALL = "implicit(inner_loss, outer_loss, params_star, hyper)"
+_UNUSED_FIX = (
+    "list only tensors inner_loss or outer_loss close over: implicit differentiates at the "
+    "optimum, which optimizer hyperparameters (learning rate, momentum) do not move"
+)
+
+
+class NotStationaryWarning(UserWarning):
+    """:func:`implicit` was given a point whose inner gradient is not (close to) zero: the
+    implicit function theorem does not hold there, and the result is the hypergradient of
+    another problem."""
+
+
+def _check_stationary(norm: torch.Tensor, w: torch.Tensor, tol: float, call: str) -> None:
+    """A :class:`NotStationaryWarning` when ``norm`` (of the inner gradient at ``w``) is above
+    ``tol * max(1, ||w||)``."""
+    scale = max(1.0, float(w.detach().norm()))
+    if float(norm) > tol * scale:
+        warnings.warn(
+            f"{call}: params_star is not a stationary point of inner_loss: "
+            f"||grad inner_loss(params_star)|| = {float(norm):.3g} > stationary_tol * "
+            f"max(1, ||params_star||) = {tol:g} * {scale:.3g}; the implicit hypergradient "
+            "assumes the gradient is 0, so this is the hypergradient of another problem. "
+            "Train the inner problem further (or pass a larger stationary_tol to accept it).",
+            NotStationaryWarning,
+            stacklevel=3,
+        )
 
 
 def _cg(hvp: HVP, b: torch.Tensor, tol: float, maxiter: int, call: str) -> tuple[torch.Tensor, int]:
@@ -122,6 +154,7 @@ def implicit(
     maxiter: int | None = None,
     alpha: float | None = None,
     damping: float = 0.0,
+    stationary_tol: float = STATIONARY_TOL,
     full_output: bool = False,
 ) -> Any:
     r"""Implicit hypergradient at an inner optimum ``params_star`` (no trajectory needed).
@@ -140,8 +173,13 @@ def implicit(
 
     ``alpha`` defaults to :math:`1 / \lambda_{\max}(H)`, estimated by 20 power iterations.
     The result is only as good as the optimum: at a point that is not stationary it is the
-    hypergradient of a different problem. Optimizer hyperparameters (learning rate,
-    momentum) do not move the optimum: listing them raises, as nothing depends on them.
+    hypergradient of a different problem. The inner gradient norm
+    :math:`\lVert \nabla_\theta L(\theta^*) \rVert` is computed (it is needed anyway), reported
+    as ``inner_grad_norm`` with ``full_output=True``, and a :class:`NotStationaryWarning` is
+    issued when :math:`\lVert \nabla_\theta L \rVert > \text{stationary\_tol} \cdot
+    \max(1, \lVert \theta^* \rVert)` (default ``stationary_tol = 1e-4``; ``math.inf``
+    silences it). Optimizer hyperparameters (learning rate, momentum) do not move the
+    optimum: listing them raises, as nothing depends on them.
 
     Args:
         inner_loss: ``inner_loss(params, batch) -> scalar``, closing over hyperparameters.
@@ -155,7 +193,10 @@ def implicit(
         alpha: step of ``"neumann"`` and ``"fixed_point"``; must be below
             :math:`2 / \lambda_{\max}(H)`.
         damping: :math:`\delta`, added to the Hessian's diagonal.
-        full_output: return a :class:`HyperResult` with ``residual`` and ``iterations``.
+        stationary_tol: warn when the inner gradient norm at ``params_star`` exceeds
+            ``stationary_tol * max(1, ||params_star||)`` (>= 0; ``math.inf``: never).
+        full_output: return a :class:`HyperResult` with ``residual``, ``iterations`` and
+            ``inner_grad_norm``.
 
     Returns:
         ``{name: d outer_loss / d hyper[name]}`` shaped like each tensor.
@@ -176,25 +217,25 @@ def implicit(
         >>> torch.allclose(g["l2"], closed_form, rtol=1e-8)
         True
     """
-    call = "implicit(inner_loss, outer_loss, params_star, hyper)"
+    call = _CALL
     check_callable(inner_loss, call, "inner_loss", "(params, batch) -> scalar")
     check_callable(outer_loss, call, "outer_loss", "params -> scalar")
     check_choice(method, _METHODS, call, "method")
-    names, hypers = check_hyper(hyper, call)
+    names, hypers = check_hyper(
+        hyper, call, "pass e.g. hyper={'l2': l2} with tensors inner_loss or outer_loss close over"
+    )
     params_star = check_params(params_star, call, "params_star")
     if maxiter is None:
         maxiter = _MAXITER[method]
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise ValueError(
-            message(call, "maxiter", "an int >= 1", repr(maxiter), "pass e.g. maxiter=100")
-        )
-    for name, number in (("tol", tol), ("damping", damping), ("alpha", alpha)):
-        if number is not None and (
-            isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0
-        ):
-            raise ValueError(
-                message(call, name, "a number >= 0", repr(number), f"pass e.g. {name}=1e-3")
-            )
+    maxiter = check_int(maxiter, call, "maxiter", low=1, example="100")
+    tol = check_number(tol, call, "tol", low=0, example="1e-10")
+    damping = check_number(damping, call, "damping", low=0, example="1e-3")
+    if alpha is not None:
+        alpha = check_number(alpha, call, "alpha", low=0, low_open=True, example="0.1")
+    stationary_tol = check_number(
+        stationary_tol, call, "stationary_tol", low=0, finite=False, example="1e-3"
+    )
+    check_bool(full_output, call, "full_output")
     structure = structure_of(params_star, call, "params_star")
     ps = leaves(params_star, structure, call, "params_star")
     shapes = [p.shape for p in ps]
@@ -229,6 +270,7 @@ def implicit(
         )
         if g is None or not g.requires_grad:
             raise flat_hessian_error
+        grad_norm = g.detach().norm()
 
         def hvp(v: torch.Tensor) -> torch.Tensor:
             (hv,) = torch.autograd.grad(g, w, v, retain_graph=True, allow_unused=True)
@@ -250,6 +292,19 @@ def implicit(
             else:
                 q, n = _fixed_point(hvp, b, step, tol, maxiter)
             spent += n
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError(
+                message(
+                    call,
+                    "alpha" if method != "cg" else "inner_loss",
+                    "a solve that stays finite"
+                    + (" (alpha below 2 / lambda_max of the Hessian)" if method != "cg" else ""),
+                    f"non-finite values after {spent} Hessian-vector products",
+                    "lower alpha (or leave it None: 1 / lambda_max)"
+                    if method != "cg"
+                    else "check that inner_loss is finite and twice differentiable at params_star",
+                )
+            )
         residual = None
         if full_output or method != "neumann":
             residual = (hvp(q) - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny)
@@ -265,13 +320,19 @@ def implicit(
     grads = {}
     for name, h, d, m in zip(names, hypers, direct, mixed, strict=True):
         if d is None and m is None:
-            raise unused_error(call, name)
+            raise unused_error(call, name, _UNUSED_FIX)
         total = torch.zeros_like(h) if d is None else d.detach()
         if m is not None:
             total = total - m.detach()
         grads[name] = total.reshape(h.shape)
+    _check_stationary(grad_norm, w, stationary_tol, call)
     if not full_output:
         return grads
     return HyperResult(
-        grads, value.detach(), rebuild(structure, [p.detach() for p in ps]), residual, spent
+        grads,
+        value.detach(),
+        rebuild(structure, [p.detach() for p in ps]),
+        residual,
+        spent,
+        grad_norm,
     )

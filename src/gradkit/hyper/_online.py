@@ -28,7 +28,7 @@ import torch.autograd.forward_ad as fwAD
 from gradkit._errors import describe, message
 from gradkit.hyper._forward import Pair, _pack, _seeded, _unpack
 from gradkit.hyper._problem import Dynamics, check_scalar, grads_of, unused_error
-from gradkit.optim._tree import leaves, rebuild
+from gradkit.optim._tree import entries, leaves, rebuild
 
 __all__ = ["OnlineTangents"]
 
@@ -53,6 +53,7 @@ class OnlineTangents:
             (j, i) for j, h in enumerate(self.hypers) for i in range(h.numel())
         ]
         self.t = 0
+        self.counts: Any = None  # per-parameter counts of the optimizer state (plain ints)
         self.ps: list[torch.Tensor] = []
         self.slots: dict[str, list[torch.Tensor]] = {}
         # per direction: tangents of the parameters and of each slot (None: no dependence)
@@ -73,10 +74,18 @@ class OnlineTangents:
         return ps, slots
 
     def _store(
-        self, d: int | None, ps: list[Pair], slots: dict[str, list[Pair]], *, primal: bool
+        self,
+        d: int | None,
+        ps: list[Pair],
+        slots: dict[str, list[Pair]],
+        *,
+        primal: bool,
+        counts: Any = None,
     ) -> None:
         if primal:
             self.ps = [p for p, _ in ps]
+            if counts is not None:
+                self.counts = counts
             self.slots = {f: [v for v, _ in vs] for f, vs in slots.items()}
         if d is not None:
             self.tangents[d] = (
@@ -88,6 +97,7 @@ class OnlineTangents:
         """``s_0`` and its tangents (nonzero only where ``params0`` holds a hyperparameter)."""
         dyn = self.dyn
         self.tangents = [([], {}) for _ in self.directions]
+        self.counts = dyn.state0.counts
         if not self.directions:
             self._store(None, *self._split(dyn.params0, dyn.state0), primal=True)
             return
@@ -107,7 +117,7 @@ class OnlineTangents:
             )
             for f in self.dyn.opt.slots
         }
-        return xs, self.dyn.state0._replace(step=self.t, **slots)
+        return xs, self.dyn.state0._replace(step=self.t, counts=self.counts, **slots)
 
     # -- one step and the hypergradient ------------------------------------------------------
 
@@ -115,10 +125,17 @@ class OnlineTangents:
         """Advance the training by one step, the primal state and every tangent."""
         dyn = self.dyn
         if not self.directions:
-            flat = dyn.layout.flatten(rebuild(dyn.structure, self.ps), self._plain_state())
-            new = dyn.step(flat, self.t)
-            params, state = dyn.layout.unflatten(new, step=self.t + 1)
-            self._store(None, *self._split(params, state), primal=True)
+            xs = [p.detach().requires_grad_(True) for p in self.ps]
+            with torch.enable_grad():
+                loss = dyn.inner_loss(rebuild(dyn.structure, xs), dyn.batch(self.t))
+                gs = grads_of(loss, xs, dyn.call, create_graph=False)
+            with torch.no_grad():
+                new_params, new_state = dyn.opt.update(
+                    rebuild(dyn.structure, gs), self._plain_state(), rebuild(dyn.structure, self.ps)
+                )
+            self._store(
+                None, *self._split(new_params, new_state), primal=True, counts=new_state.counts
+            )
             self.t += 1
             return
         batch = dyn.batch(self.t)
@@ -133,14 +150,14 @@ class OnlineTangents:
                     new_params, new_state = dyn.opt.update(
                         rebuild(dyn.structure, gs), state, params
                     )
-                results.append(self._split(new_params, new_state))
-        for d, (ps, slots) in enumerate(results):
-            self._store(d, ps, slots, primal=d == 0)
+                results.append((*self._split(new_params, new_state), new_state.counts))
+        for d, (ps, slots, counts) in enumerate(results):
+            self._store(d, ps, slots, primal=d == 0, counts=counts)
         self.t += 1
 
     def _plain_state(self) -> Any:
         slots = {f: rebuild(self.dyn.structure, vs) for f, vs in self.slots.items()}
-        return self.dyn.state0._replace(step=self.t, **slots)
+        return self.dyn.state0._replace(step=self.t, counts=self.counts, **slots)
 
     def params(self) -> Any:
         """The current parameters ``theta_t`` (detached), in the container of ``params0``."""
@@ -185,8 +202,12 @@ class OnlineTangents:
     def state_dict(self) -> dict[str, Any]:
         """Step count, state and tangents as plain containers of tensors (``None``: no
         dependence); loadable with ``torch.load(weights_only=True)``."""
+        counts = None
+        if self.counts is not None:
+            counts = list(entries(self.counts, self.dyn.structure, self.dyn.call, "counts"))
         return {
             "t": self.t,
+            "counts": counts,
             "params": [p.clone() for p in self.ps],
             "slots": {f: [v.clone() for v in vs] for f, vs in self.slots.items()},
             "tangents": [
@@ -205,13 +226,14 @@ class OnlineTangents:
         fix = "load a state saved by a HyperOptimizer with the same problem and method='rtho'"
         try:
             t = state["t"]
+            counts = state.get("counts")
             ps = list(state["params"])
             slots = {f: list(state["slots"][f]) for f in self.dyn.opt.slots}
             tangents = [
                 (list(z["params"]), {f: list(z["slots"][f]) for f in self.dyn.opt.slots})
                 for z in state["tangents"]
             ]
-        except (KeyError, TypeError) as err:
+        except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(
                 message(call, "state_dict['online']", "an RTHO state", f"missing {err}", fix)
             ) from None
@@ -221,6 +243,14 @@ class OnlineTangents:
             or any([v.shape for v in vs] != shapes for vs in slots.values())
             or len(tangents) != len(self.directions)
             or not isinstance(t, int)
+            or not (
+                counts is None
+                or (
+                    isinstance(counts, list)
+                    and len(counts) == len(shapes)
+                    and all(isinstance(c, int) and 0 <= c <= t for c in counts)
+                )
+            )
         ):
             raise ValueError(
                 message(
@@ -233,6 +263,7 @@ class OnlineTangents:
                 )
             )
         self.t = t
+        self.counts = None if counts is None else rebuild(self.dyn.structure, list(counts))
         self.ps = [p.detach().clone() for p in ps]
         self.slots = {f: [v.detach().clone() for v in vs] for f, vs in slots.items()}
         self.tangents = [

@@ -14,6 +14,7 @@ and records what happened:
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -23,11 +24,11 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_bool, check_choice
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import implicit
 from gradkit.hyper._online import OnlineTangents
-from gradkit.hyper._outer import check_projections, only_for, outer_optimizer
+from gradkit.hyper._outer import check_projections, check_state_dict, only_for, outer_optimizer
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
@@ -35,7 +36,7 @@ from gradkit.hyper._problem import (
     check_hyper,
     check_steps,
 )
-from gradkit.hyper._reverse import reverse, truncated
+from gradkit.hyper._reverse import _stride, reverse, truncated
 from gradkit.optim._tree import leaves, rebuild, structure_of
 
 __all__ = ["HyperOptimizer", "HyperStep"]
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 _CALL = "HyperOptimizer"
 _METHODS = ("reverse", "truncated", "forward", "rtho", "implicit")
 _FORMAT = "gradkit.hyper.HyperOptimizer/1"
-_IMPLICIT_OPTIONS = ("method", "tol", "maxiter", "alpha", "damping", "batch")
+_IMPLICIT_OPTIONS = ("method", "tol", "maxiter", "alpha", "damping", "stationary_tol", "batch")
 
 
 class HyperStep(NamedTuple):
@@ -101,7 +102,8 @@ class HyperOptimizer:
         hyper: ``name -> tensor``: the hyperparameters to tune: leaf tensors the optimizer was
             built with or the losses close over.
         method: ``"reverse"``, ``"truncated"``, ``"forward"``, ``"rtho"`` or ``"implicit"``.
-        steps: inner steps per hyper-step (``"rtho"``: between two hyperparameter updates).
+        steps: inner steps per hyper-step (``"rtho"``: between two hyperparameter updates), an
+            int >= 1 (``"implicit"``: >= 0, 0 taking ``params0`` as the optimum).
         outer_opt: a ``torch.optim.Optimizer`` over exactly the hyperparameter tensors, a
             factory ``list[Tensor] -> Optimizer`` (``functools.partial(torch.optim.Adam,
             lr=0.01)``), or None: Adam with lr 1e-3.
@@ -112,7 +114,7 @@ class HyperOptimizer:
         checkpoint_every: ``"reverse"``/``"truncated"``: as for :func:`reverse`.
         last: ``"truncated"``: the number of steps back-propagated (required there).
         implicit_options: ``"implicit"``: keyword arguments of :func:`implicit` (``method``,
-            ``tol``, ``maxiter``, ``alpha``, ``damping``, ``batch``).
+            ``tol``, ``maxiter``, ``alpha``, ``damping``, ``stationary_tol``, ``batch``).
         warm_start: offline methods: start each inner run from the last iterate of the
             previous one (with a fresh optimizer state) instead of ``params0``.
         callback: called with each :class:`HyperStep`; returning ``True`` stops :meth:`run`.
@@ -166,8 +168,10 @@ class HyperOptimizer:
         self.method = method
         self.names, hypers = check_hyper(hyper, _CALL)
         self.hyper: dict[str, torch.Tensor] = dict(zip(self.names, hypers, strict=True))
-        self.steps = check_steps(steps, _CALL)
+        # implicit may start at an optimum already (steps=0); the others train at least a step
+        self.steps = check_steps(steps, _CALL, low=0 if method == "implicit" else 1)
         only_for(checkpoint_every, "checkpoint_every", method, ("reverse", "truncated"))
+        _stride(checkpoint_every, self.steps, _CALL)
         only_for(last, "last", method, ("truncated",))
         only_for(implicit_options, "implicit_options", method, ("implicit",))
         if method == "truncated":
@@ -181,7 +185,7 @@ class HyperOptimizer:
                         "pass e.g. last=10",
                     )
                 )
-            last = check_steps(last, _CALL, "last")
+            last = check_steps(last, _CALL, "last", low=0)
             if last > self.steps:
                 raise ValueError(
                     message(
@@ -192,9 +196,8 @@ class HyperOptimizer:
                         "lower last or raise steps",
                     )
                 )
-        for name, flag in (("warm_start", warm_start), ("record", record)):
-            if not isinstance(flag, bool):
-                raise TypeError(message(_CALL, name, "a bool", repr(flag), f"pass {name}=True"))
+        check_bool(warm_start, _CALL, "warm_start")
+        check_bool(record, _CALL, "record")
         if warm_start and method == "rtho":
             raise ValueError(
                 message(
@@ -203,6 +206,16 @@ class HyperOptimizer:
                     "False for method='rtho' (its training never restarts)",
                     "True",
                     "drop warm_start",
+                )
+            )
+        if implicit_options is not None and not isinstance(implicit_options, Mapping):
+            raise TypeError(
+                message(
+                    _CALL,
+                    "implicit_options",
+                    "None or a dict of keyword arguments of implicit",
+                    describe(implicit_options),
+                    "pass e.g. implicit_options={'method': 'cg', 'damping': 1e-6}",
                 )
             )
         unknown = sorted(set(implicit_options or {}) - set(_IMPLICIT_OPTIONS))
@@ -360,7 +373,11 @@ class HyperOptimizer:
 
     def _apply(self, grads: dict[str, torch.Tensor]) -> None:
         """Outer optimizer step with ``grads`` as the hyperparameters' ``.grad`` (restored
-        afterwards), then the projections, in place."""
+        afterwards), then the projections, in place. When a projection fails, the
+        hyperparameters and the outer optimizer's state are restored: a failed step changes
+        nothing."""
+        values = {name: h.detach().clone() for name, h in self.hyper.items()}
+        outer_state = copy.deepcopy(self.outer_opt.state_dict())
         saved = {name: h.grad for name, h in self.hyper.items()}
         try:
             for name, h in self.hyper.items():
@@ -370,21 +387,31 @@ class HyperOptimizer:
         finally:
             for name, h in self.hyper.items():
                 h.grad = saved[name]
-        with torch.no_grad():
-            for name, proj in self.projections.items():
-                h = self.hyper[name]
-                projected = proj(h.detach())
-                if not isinstance(projected, torch.Tensor) or projected.shape != h.shape:
-                    raise ValueError(
-                        message(
-                            _CALL,
-                            f"projections[{name!r}]",
-                            f"a function returning a tensor of shape {tuple(h.shape)}",
-                            describe(projected),
-                            "return the projected tensor, shaped like its input",
+        try:
+            with torch.no_grad():
+                projected = {
+                    name: proj(self.hyper[name].detach()) for name, proj in self.projections.items()
+                }
+                for name, value in projected.items():
+                    h = self.hyper[name]
+                    if not isinstance(value, torch.Tensor) or value.shape != h.shape:
+                        raise ValueError(
+                            message(
+                                _CALL,
+                                f"projections[{name!r}]",
+                                f"a function returning a tensor of shape {tuple(h.shape)}",
+                                describe(value),
+                                "return the projected tensor, shaped like its input",
+                            )
                         )
-                    )
-                h.copy_(projected)
+                for name, value in projected.items():
+                    self.hyper[name].copy_(value)
+        except BaseException:
+            with torch.no_grad():
+                for name, h in self.hyper.items():
+                    h.copy_(values[name])
+            self.outer_opt.load_state_dict(outer_state)
+            raise
 
     def run(self, iterations: int) -> list[HyperStep]:
         """``iterations`` hyper-steps (fewer when the callback returns ``True``).
@@ -392,7 +419,7 @@ class HyperOptimizer:
         Returns:
             The records of this call's hyper-steps.
         """
-        iterations = check_steps(iterations, f"{_CALL}.run", "iterations")
+        iterations = check_steps(iterations, f"{_CALL}.run", "iterations", low=0)
         done: list[HyperStep] = []
         for _ in range(iterations):
             record = self.step()
@@ -431,43 +458,51 @@ class HyperOptimizer:
         """
         call = f"{_CALL}.load_state_dict"
         fix = "load a state_dict() of a HyperOptimizer built the same way"
-        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
+        # check everything before changing anything: a failed load leaves the run as it was
+        check_state_dict(state_dict, _FORMAT, self.method, self.names, self.hyper, call, fix)
+        try:
+            history = [HyperStep(**r) for r in state_dict["history"]]
+        except TypeError as err:
             raise ValueError(
-                message(
-                    call, "state_dict", f"a state of format {_FORMAT!r}", describe(state_dict), fix
-                )
-            )
-        if state_dict["method"] != self.method or list(state_dict["names"]) != self.names:
-            raise ValueError(
-                message(
-                    call,
-                    "state_dict",
-                    f"method {self.method!r} with hyperparameters {self.names}",
-                    f"method {state_dict['method']!r} with {list(state_dict['names'])}",
-                    fix,
-                )
-            )
-        for name, h in self.hyper.items():
-            value = state_dict["hyper"][name]
-            if not isinstance(value, torch.Tensor) or value.shape != h.shape:
+                message(call, "state_dict['history']", "HyperStep records", str(err), fix)
+            ) from None
+        warm = state_dict.get("warm_start")
+        start = self._start
+        if self.warm_start and warm is not None:
+            shapes = [p.shape for p in leaves(self._start, self._dyn.structure, _CALL, "")]
+            if (
+                not isinstance(warm, (list, tuple))
+                or [getattr(p, "shape", None) for p in warm] != shapes
+            ):
                 raise ValueError(
                     message(
                         call,
-                        f"state_dict['hyper'][{name!r}]",
-                        f"a tensor of shape {tuple(h.shape)}",
-                        describe(value),
+                        "state_dict['warm_start']",
+                        f"tensors of shapes {[tuple(s) for s in shapes]}",
+                        describe(warm),
                         fix,
                     )
                 )
+            start = rebuild(self._dyn.structure, [p.detach().clone() for p in warm])
+        saved_outer = copy.deepcopy(self.outer_opt.state_dict())
+        try:
+            self.outer_opt.load_state_dict(state_dict["outer_opt"])
+            online = state_dict.get("online")
+            if online is not None:
+                self._online_state().load_state_dict(online, call)
+        except (ValueError, KeyError, TypeError) as err:
+            self.outer_opt.load_state_dict(saved_outer)
+            if isinstance(err, ValueError) and str(err).startswith(call):
+                raise
+            raise ValueError(
+                message(
+                    call, "state_dict['outer_opt']", "the outer optimizer's state", str(err), fix
+                )
+            ) from None
         with torch.no_grad():
             for name, h in self.hyper.items():
                 h.copy_(state_dict["hyper"][name])
-        self.outer_opt.load_state_dict(state_dict["outer_opt"])
-        self.history = [HyperStep(**r) for r in state_dict["history"]]
-        warm = state_dict.get("warm_start")
-        if self.warm_start and warm is not None:
-            self._start = rebuild(self._dyn.structure, [p.detach().clone() for p in warm])
-        online = state_dict.get("online")
+        self.history = history
+        self._start = start
         if online is not None:
-            self._online_state().load_state_dict(online, call)
             self.params = self._online_state().params()

@@ -1,6 +1,7 @@
 """Checks of :class:`~gradkit.hyper.HyperOptimizer`'s arguments: projections by name or
 function, the outer ``torch.optim`` optimizer (an instance over exactly the hyperparameters, a
-factory, or the default), and options that apply to some methods only."""
+factory, or the default), options that apply to some methods only, and the state a run is
+resumed from."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from gradkit._errors import describe, message
 from gradkit.hyper._projections import projection
 
-__all__ = ["check_projections", "only_for", "outer_optimizer"]
+__all__ = ["check_projections", "check_state_dict", "only_for", "outer_optimizer"]
 
 _CALL = "HyperOptimizer"
 
@@ -129,3 +130,50 @@ def only_for(value: Any, argument: str, method: str, allowed: tuple[str, ...]) -
                 f"drop {argument} or choose a method it applies to",
             )
         )
+
+
+def check_state_dict(
+    state_dict: Any,
+    format: str,
+    method: str,
+    names: Sequence[str],
+    hyper: Mapping[str, torch.Tensor],
+    call: str,
+    fix: str,
+) -> None:
+    """Raise unless ``state_dict`` is a saved run of this format, method and hyperparameters
+    (names and shapes), with every entry ``state_dict()`` writes."""
+    if not isinstance(state_dict, Mapping) or state_dict.get("format") != format:
+        raise ValueError(
+            message(call, "state_dict", f"a state of format {format!r}", describe(state_dict), fix)
+        )
+    missing = [
+        k for k in ("method", "names", "hyper", "outer_opt", "history") if k not in state_dict
+    ]
+    if missing:
+        raise ValueError(
+            message(call, "state_dict", "the entries state_dict() writes", f"no {missing}", fix)
+        )
+    if state_dict["method"] != method or list(state_dict["names"]) != list(names):
+        raise ValueError(
+            message(
+                call,
+                "state_dict",
+                f"method {method!r} with hyperparameters {list(names)}",
+                f"method {state_dict['method']!r} with {list(state_dict['names'])}",
+                fix,
+            )
+        )
+    saved = state_dict["hyper"]
+    for name, h in hyper.items():
+        value = saved.get(name) if isinstance(saved, Mapping) else None
+        if not isinstance(value, torch.Tensor) or value.shape != h.shape:
+            raise ValueError(
+                message(
+                    call,
+                    f"state_dict['hyper'][{name!r}]",
+                    f"a tensor of shape {tuple(h.shape)}",
+                    describe(value),
+                    fix,
+                )
+            )

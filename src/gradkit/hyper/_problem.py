@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._validate import check_int
 from gradkit.optim._base import Optimizer
 from gradkit.optim._flat import state_layout
-from gradkit.optim._tree import leaves, rebuild, structure_of
+from gradkit.optim._tree import entries, leaves, rebuild, structure_of
 
 __all__ = [
     "Batches",
@@ -33,6 +34,11 @@ __all__ = [
 ]
 
 
+REPLAY_RTOL = 1e-4
+"""Largest relative change of a step's inner loss between its first run and its replay that
+is taken for round-off (nondeterministic GPU reductions) rather than another batch."""
+
+
 class HyperResult(NamedTuple):
     """What an engine returns with ``full_output=True``.
 
@@ -42,6 +48,8 @@ class HyperResult(NamedTuple):
         params: the last iterate (or the given optimum for :func:`implicit`), detached.
         residual: :func:`implicit` only: ``||H q - g|| / ||g||`` of the linear solve.
         iterations: :func:`implicit` only: Hessian-vector products spent in the solve.
+        inner_grad_norm: :func:`implicit` only: ``||grad inner_loss(params_star)||``, how far
+            the given point is from stationary (0 at an exact optimum).
     """
 
     grads: dict[str, torch.Tensor]
@@ -49,6 +57,7 @@ class HyperResult(NamedTuple):
     params: Any
     residual: torch.Tensor | None = None
     iterations: int | None = None
+    inner_grad_norm: torch.Tensor | None = None
 
 
 def check_params(params: Any, call: str, argument: str = "params0") -> Any:
@@ -81,7 +90,11 @@ def check_params(params: Any, call: str, argument: str = "params0") -> Any:
     return rebuild(structure, leaves(params, structure, call, argument))
 
 
-def check_hyper(hyper: Any, call: str) -> tuple[list[str], list[torch.Tensor]]:
+def check_hyper(
+    hyper: Any,
+    call: str,
+    fix: str = "pass e.g. hyper={'lr': lr} with the tensor the optimizer or the losses use",
+) -> tuple[list[str], list[torch.Tensor]]:
     """Names and tensors of ``hyper``: a non-empty dict ``name -> floating tensor``, each tensor
     given once."""
     if not isinstance(hyper, Mapping) or not hyper:
@@ -91,7 +104,7 @@ def check_hyper(hyper: Any, call: str) -> tuple[list[str], list[torch.Tensor]]:
                 "hyper",
                 "a non-empty dict name -> tensor (the hyperparameters to differentiate)",
                 describe(hyper),
-                "pass e.g. hyper={'lr': lr} with the tensor the optimizer or the losses use",
+                fix,
             )
         )
     names: list[str] = []
@@ -132,13 +145,11 @@ def check_callable(f: Any, call: str, argument: str, signature: str) -> None:
         )
 
 
-def check_steps(steps: Any, call: str, argument: str = "steps") -> int:
-    """``steps`` as an int >= 0."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(
-            message(call, argument, "an int >= 0", repr(steps), f"pass e.g. {argument}=100")
-        )
-    return steps
+def check_steps(steps: Any, call: str, argument: str = "steps", *, low: int = 1) -> int:
+    """``steps`` as an int >= ``low``: a TypeError for a bool, a float or a string, a
+    ValueError below ``low``. Inner steps count from 1 (no step: nothing to differentiate
+    through); ``low=0`` for counts that may be zero (``last``, ``iterations``)."""
+    return check_int(steps, call, argument, low=low, example="100" if low >= 1 else "10")
 
 
 def check_scalar(value: Any, call: str, which: str) -> torch.Tensor:
@@ -156,7 +167,7 @@ def check_scalar(value: Any, call: str, which: str) -> torch.Tensor:
     return value.reshape(())
 
 
-def unused_error(call: str, name: str) -> ValueError:
+def unused_error(call: str, name: str, fix: str | None = None) -> ValueError:
     """The error for a hyperparameter no loss and no step depends on."""
     return ValueError(
         message(
@@ -164,7 +175,8 @@ def unused_error(call: str, name: str) -> ValueError:
             f"hyper[{name!r}]",
             "a tensor the optimizer or the losses use",
             "a tensor nothing depends on (no path to the outer loss)",
-            "build the optimizer with this very tensor (e.g. sgd(lr=lr), not lr.item()) or "
+            fix
+            or "build the optimizer with this very tensor (e.g. sgd(lr=lr), not lr.item()) or "
             "use it in inner_loss/outer_loss",
         )
     )
@@ -221,13 +233,14 @@ class Batches:
 
 def grads_of(
     loss: Any, xs: Sequence[torch.Tensor], call: str, *, create_graph: bool
-) -> list[torch.Tensor]:
-    """``d loss / d xs`` (zeros for tensors the loss does not use)."""
+) -> list[torch.Tensor | None]:
+    """``d loss / d xs``, ``None`` for a tensor the loss does not use: the optimizer then skips
+    it (no update, its state and count untouched), as ``torch.optim`` skips a parameter whose
+    ``.grad`` is None after ``loss.backward()``."""
     loss = check_scalar(loss, call, "inner_loss")
     if not loss.requires_grad:
-        return [torch.zeros_like(x) for x in xs]
-    gs = torch.autograd.grad(loss, list(xs), create_graph=create_graph, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, xs, strict=True)]
+        return [None] * len(xs)
+    return list(torch.autograd.grad(loss, list(xs), create_graph=create_graph, allow_unused=True))
 
 
 class Dynamics:
@@ -251,8 +264,12 @@ class Dynamics:
                     call,
                     "opt",
                     "a gradkit.optim optimizer",
-                    describe(opt),
-                    "build it with gradkit.optim.sgd / adam / adamw / rmsprop",
+                    f"a {type(opt).__module__}.{type(opt).__name__}"
+                    if isinstance(opt, torch.optim.Optimizer)
+                    else describe(opt),
+                    "build it with gradkit.optim.sgd / adam / adamw / rmsprop (a functional "
+                    "optimizer; torch.optim updates in place and cannot be differentiated "
+                    "through)",
                 )
             )
         self.call = call
@@ -264,6 +281,45 @@ class Dynamics:
         self.state0 = opt.init(self.params0)
         self.layout = state_layout(self.params0, self.state0)
         self.batch = Batches(batches, call)
+        self._n = len(self.structure.keys)
+        # per-parameter counts before step t where they differ from t (a parameter without a
+        # gradient at some step); plain ints beside the history buffer
+        self._counts: dict[int, tuple[int, ...]] = {}
+        self.any_gradient = False
+        # the inner loss of each step's first run, and the relative gaps seen on replay
+        # (one growing buffer and two scalars: the number of live tensors stays constant)
+        self._losses: torch.Tensor | None = None
+        self._stored = 0  # steps 0 .. _stored - 1 have their first loss in _losses
+        self._worst: tuple[torch.Tensor, torch.Tensor] | None = None  # (gap, its step)
+
+    def counts_at(self, t: int) -> Any:
+        """The per-parameter counts of the state before step ``t`` (None: ``t`` for all)."""
+        c = self._counts.get(t)
+        return None if c is None else rebuild(self.structure, list(c))
+
+    def record(self, t: int, state: Any, grads: Any) -> None:
+        """Keep the counts of ``state``, the state after step ``t``."""
+        c = tuple(entries(state.counts, self.structure, self.call, "state.counts"))
+        if c == (t + 1,) * self._n:
+            self._counts.pop(t + 1, None)
+        else:
+            self._counts[t + 1] = c
+        if not self.any_gradient:
+            gs = leaves(grads, self.structure, self.call, "grads", allow_none=True)
+            self.any_gradient = any(g is not None for g in gs)
+
+    def no_gradient_error(self) -> ValueError:
+        """The error for an inner loss that gave no parameter a gradient at any step."""
+        return ValueError(
+            message(
+                self.call,
+                "inner_loss",
+                "a loss that depends on the parameters it is given",
+                "a loss with no gradient for any parameter at any step (nothing trained)",
+                "compute inner_loss from its params argument (not from a copy or a module's own "
+                "weights)",
+            )
+        )
 
     def initial(self) -> torch.Tensor:
         """``s_0`` (with a graph when a hyperparameter shaped the initial parameters)."""
@@ -271,19 +327,79 @@ class Dynamics:
             return self.layout.flatten(self.params0, self.state0)
 
     def _update(self, s: torch.Tensor, t: int, *, create_graph: bool) -> tuple[Any, Any, Any]:
-        params, state = self.layout.unflatten(s, step=t)
+        params, state = self.layout.unflatten(s, step=t, counts=self.counts_at(t))
         ps = leaves(params, self.structure, self.call, "params")
         xs = ps if create_graph else [p.detach().requires_grad_(True) for p in ps]
         with torch.enable_grad():
-            loss = self.inner_loss(rebuild(self.structure, xs), self.batch(t))
+            loss = check_scalar(
+                self.inner_loss(rebuild(self.structure, xs), self.batch(t)), self.call, "inner_loss"
+            )
             gs = grads_of(loss, xs, self.call, create_graph=create_graph)
+        if not create_graph:
+            self._store_loss(t, loss.detach())
+        else:
+            self._compare_loss(t, loss.detach())
         return rebuild(self.structure, gs), state, params
+
+    def _store_loss(self, t: int, value: torch.Tensor) -> None:
+        """Keep the inner loss of step ``t``'s first run (checkpoint recomputes are not first
+        runs; steps run forward in order the first time)."""
+        if t != self._stored:
+            return
+        if self._losses is None or t >= self._losses.numel():
+            grown = value.new_empty(max(16, 2 * t), dtype=torch.float64)
+            if self._losses is not None:
+                grown[: self._losses.numel()] = self._losses
+            self._losses = grown
+        self._losses[t] = value.to(torch.float64)
+        self._stored = t + 1
+
+    def _compare_loss(self, t: int, value: torch.Tensor) -> None:
+        """Track the largest relative change of a replayed step's loss (no synchronization)."""
+        if self._losses is None or t >= self._stored:
+            return
+        first = self._losses[t]
+        gap = torch.nan_to_num(
+            (value.to(torch.float64) - first).abs() / first.abs().clamp_min(1e-30)
+        )
+        step = torch.full_like(gap, t)
+        if self._worst is None:
+            self._worst = (gap, step)
+        else:
+            worse = gap > self._worst[0]
+            self._worst = (
+                torch.where(worse, gap, self._worst[0]),
+                torch.where(worse, step, self._worst[1]),
+            )
+
+    def check_replay(self) -> None:
+        """Raise when a replayed step saw another inner loss than its first run: the batches
+        callable (or randomness in ``inner_loss``) does not give step ``t`` the same batch
+        every time, and the hypergradient would silently mix two trajectories. (NaN losses on
+        both runs count as equal: they are reported as non-finite results.)"""
+        if self._worst is None:
+            return
+        gap, step = float(self._worst[0]), int(self._worst[1])
+        self._worst = None
+        if gap <= REPLAY_RTOL:
+            return
+        raise ValueError(
+            message(
+                self.call,
+                "batches",
+                "the same batch whenever step t is asked for (steps are replayed backwards)",
+                f"an inner loss that changed by a relative {gap:.3g} when step {step} was replayed",
+                "derive sampling, shuffling and dropout from t (e.g. torch.Generator()"
+                ".manual_seed(seed + t)) instead of drawing fresh randomness per call",
+            )
+        )
 
     def step(self, s: torch.Tensor, t: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``s_{t+1}`` from ``s_t`` without a graph (into ``out`` if given)."""
         grads, state, params = self._update(s, t, create_graph=False)
         with torch.no_grad():
             new_params, new_state = self.opt.update(grads, state, params)
+            self.record(t, new_state, grads)
             return self.layout.flatten(new_params, new_state, out=out)
 
     def vjp(

@@ -43,10 +43,26 @@ __all__ = [
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _check_tensor(x: Any, call: str) -> torch.Tensor:
+def _check_tensor(x: Any, call: str, *, finite: bool = True) -> torch.Tensor:
+    """``x`` if it is a floating-point tensor without NaN (and, with ``finite``, without inf:
+    the sorting projections need finite entries)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(
             message(call, "x", "a floating-point tensor", describe(x), "pass e.g. weights.detach()")
+        )
+    data = x.detach()
+    bad = torch.isnan(data) if not finite else ~torch.isfinite(data)
+    if data.numel() and bool(bad.any()):
+        index = int(bad.reshape(-1).nonzero()[0, 0])
+        raise ValueError(
+            message(
+                call,
+                "x",
+                "finite entries" if finite else "entries that are not NaN",
+                f"{float(data.reshape(-1)[index])} at flat index {index} of {describe(x)}",
+                "a non-finite hyperparameter comes from a non-finite hypergradient or outer "
+                "step: lower the learning rates (inner or outer)",
+            )
         )
     return x
 
@@ -157,7 +173,7 @@ def project_box(x: torch.Tensor, low: float = 0.0, high: float = 1.0) -> torch.T
         tensor([0.0000, 0.2500, 1.0000])
     """
     call = "project_box(x, low, high)"
-    x = _check_tensor(x, call)
+    x = _check_tensor(x, call, finite=False)
     lo, hi = _check_bounds(low, high, call)
     return x.detach().clamp(lo, hi)
 
@@ -332,6 +348,8 @@ def projection(name: str, **options: Any) -> Projection:
             probe = probe + float(options.get("low", 0.0))
         project(probe)
     except TypeError as err:
+        if "unexpected keyword argument" not in str(err):  # a bad value: that check's words
+            raise TypeError(f"{call}: {err}") from None
         raise TypeError(
             message(
                 call,

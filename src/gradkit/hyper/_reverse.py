@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import message
+from gradkit._validate import check_bool
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
@@ -46,20 +47,13 @@ def _stride(checkpoint_every: Any, span: int, call: str) -> int:
         return 1
     if checkpoint_every == "sqrt":
         return max(1, math.ceil(math.sqrt(span)))
-    if (
-        isinstance(checkpoint_every, bool)
-        or not isinstance(checkpoint_every, int)
-        or checkpoint_every < 1
-    ):
-        raise ValueError(
-            message(
-                call,
-                "checkpoint_every",
-                "None (store every state), an int >= 1, or 'sqrt'",
-                repr(checkpoint_every),
-                "pass e.g. checkpoint_every=10 or 'sqrt'",
-            )
-        )
+    fix = "pass e.g. checkpoint_every=10 or 'sqrt' (None stores every state)"
+    expected = "None (store every state), an int >= 1, or 'sqrt'"
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, str)):
+        raise TypeError(message(call, "checkpoint_every", expected, repr(checkpoint_every), fix))
+    if isinstance(checkpoint_every, str) or checkpoint_every < 1:
+        raise ValueError(message(call, "checkpoint_every", expected, repr(checkpoint_every), fix))
+    # a stride longer than the steps stores only the first state (the same result)
     return min(checkpoint_every, max(span, 1))
 
 
@@ -74,9 +68,11 @@ def _engine(
     batches: Any,
     checkpoint_every: Any,
     last: int | None,
+    full_output: Any,
 ) -> HyperResult:
     names, hypers = check_hyper(hyper, call)
     steps = check_steps(steps, call)
+    check_bool(full_output, call, "full_output")
     span = steps if last is None else last
     if span > steps:
         raise ValueError(
@@ -88,9 +84,9 @@ def _engine(
                 "truncate to at most steps",
             )
         )
+    k = _stride(checkpoint_every, span, call)
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
     start = steps - span
-    k = _stride(checkpoint_every, span, call)
     rows = -(-span // k)
     with hyper_leaves(hypers):
         s0 = dyn.initial()
@@ -100,6 +96,8 @@ def _engine(
             if t >= start and (t - start) % k == 0:
                 history[(t - start) // k].copy_(s)
             s = dyn.step(s, t)
+        if not dyn.any_gradient:
+            raise dyn.no_gradient_error()
         value, adjoint, direct, final = dyn.outer(s, hypers)
         total = accumulate([None] * len(hypers), direct)
         segment = s.new_empty((k - 1, dyn.layout.size))
@@ -111,6 +109,7 @@ def _engine(
             for i in reversed(range(len(states))):
                 adjoint, parts = dyn.vjp(states[i], first + i, adjoint, hypers)
                 total = accumulate(total, parts)
+        dyn.check_replay()
         if start == 0 and s0.requires_grad:
             with torch.enable_grad():
                 parts = torch.autograd.grad(s0, hypers, adjoint, allow_unused=True)
@@ -157,7 +156,7 @@ def reverse(
             tuple of tensors of one dtype and device.
         opt: a :mod:`gradkit.optim` optimizer; tensors it was built with (``sgd(lr=lr)``) are
             hyperparameters when listed in ``hyper``.
-        steps: the number of inner steps T.
+        steps: the number of inner steps T, an int >= 1.
         hyper: ``name -> tensor`` to differentiate: any tensor the optimizer or the losses use
             (or one of ``params0``'s tensors: initial weights). They need not require grad;
             ``requires_grad`` is switched on for the duration of the call and restored.
@@ -167,7 +166,8 @@ def reverse(
         checkpoint_every: None stores every state (memory ``T |s|``, each step computed
             twice: forward, then replayed); ``k`` stores every k-th state and recomputes each
             segment (memory ``(ceil(T/k) + k - 1) |s|``, one more forward per step);
-            ``"sqrt"`` uses ``k = ceil(sqrt(T))``. The result is the same.
+            ``"sqrt"`` uses ``k = ceil(sqrt(T))``; ``k > T`` stores only the first state. The
+            result is the same.
         full_output: return a :class:`HyperResult` (grads, outer loss, last iterate).
 
     Returns:
@@ -175,7 +175,14 @@ def reverse(
 
     Raises:
         ValueError: for a hyperparameter nothing depends on (e.g. the optimizer was built from
-            ``lr.item()``), a non-scalar loss, or bad ``steps``/``checkpoint_every``.
+            ``lr.item()``), an inner loss that gives no parameter a gradient, a non-scalar
+            loss, ``steps < 1`` / ``checkpoint_every < 1``, or ``batches`` that give a replayed
+            step another batch than its first run (its inner loss changed by a relative 1e-4).
+        TypeError: for arguments of the wrong type (``steps=2.0``, ``checkpoint_every=True``).
+
+    A parameter the inner loss does not use at a step (a branch not taken, a layer unfrozen
+    later) gets no gradient there and is skipped by the optimizer, as ``torch.optim`` skips a
+    parameter whose ``.grad`` is None: weights, slots and its step count stay as they are.
 
     Examples:
         >>> import torch
@@ -203,6 +210,7 @@ def reverse(
         batches,
         checkpoint_every,
         None,
+        full_output,
     )
     return res if full_output else res.grads
 
@@ -246,7 +254,7 @@ def truncated(
         tensor(0., dtype=torch.float64)
     """
     call = "truncated(inner_loss, outer_loss, params0, opt)"
-    last = check_steps(last, call, "last")
+    last = check_steps(last, call, "last", low=0)
     res = _engine(
         call,
         inner_loss,
@@ -258,5 +266,6 @@ def truncated(
         batches,
         checkpoint_every,
         last,
+        full_output,
     )
     return res if full_output else res.grads

@@ -17,10 +17,11 @@ from gradkit.optim._base import Optimizer, apply_updates
 from gradkit.optim._flat import StateLayout, state_layout
 from gradkit.optim._rmsprop import RMSpropState, rmsprop
 from gradkit.optim._sgd import SGDState, sgd
-from gradkit.optim._tree import Params
+from gradkit.optim._tree import Grads, Params
 
 __all__ = [
     "AdamState",
+    "Grads",
     "Optimizer",
     "Params",
     "RMSpropState",

@@ -9,20 +9,24 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._validate import check_bool
 from gradkit.optim._base import Optimizer, lerp, safe_sqrt
-from gradkit.optim._values import Scalar, is_zero
+from gradkit.optim._values import Bounds, Scalar, is_zero
 
 __all__ = ["AdamState", "adam", "adamw"]
 
 
 class AdamState(NamedTuple):
     """State of :func:`adam` / :func:`adamw`: the number of updates done, the first and second
-    moment estimates, and their running maximum with ``amsgrad=True`` (else None)."""
+    moment estimates, their running maximum with ``amsgrad=True`` (else None), and per
+    parameter the number of updates of its moments (``torch.optim``'s ``state[p]["step"]``,
+    the exponent of the bias corrections; None: ``step`` for all)."""
 
     step: int
     exp_avg: Any = None
     exp_avg_sq: Any = None
     max_exp_avg_sq: Any = None
+    counts: Any = None
 
 
 def _rule(amsgrad: bool, maximize: bool, decoupled: bool) -> Any:
@@ -68,19 +72,22 @@ def _build(
     maximize: bool,
     mask: Any,
 ) -> Optimizer:
-    for flag_name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
-        if not isinstance(flag, bool):
-            raise TypeError(
-                message(name, flag_name, "a bool", repr(flag), f"pass {flag_name}=True/False")
+    check_bool(amsgrad, name, "amsgrad")
+    check_bool(maximize, name, "maximize")
+    if not isinstance(betas, (tuple, list)):
+        raise TypeError(
+            message(
+                name, "betas", "a pair (beta1, beta2)", describe(betas), "pass e.g. (0.9, 0.999)"
             )
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        )
+    if len(betas) != 2:
         raise ValueError(
             message(
                 name, "betas", "a pair (beta1, beta2)", describe(betas), "pass e.g. (0.9, 0.999)"
             )
         )
     slots = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
-    unit = (0.0, 1.0, True)
+    unit = Bounds(0.0, 1.0, high_open=True)
     return Optimizer(
         name,
         _rule(amsgrad, maximize, decoupled=name == "adamw"),
@@ -88,11 +95,11 @@ def _build(
         slots,
         {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay},
         {
-            "lr": (0.0, None, False),
+            "lr": Bounds(),
             "beta1": unit,
             "beta2": unit,
-            "eps": (0.0, None, False),
-            "weight_decay": (0.0, None, False),
+            "eps": Bounds(low_open=True),
+            "weight_decay": Bounds(),
         },
         {"amsgrad": amsgrad, "maximize": maximize},
         mask=mask,
@@ -113,7 +120,9 @@ def adam(
     r"""Adam, as ``torch.optim.Adam``, functional and differentiable.
 
     With :math:`\eta` = ``lr``, :math:`(\beta_1, \beta_2)` = ``betas``, :math:`\epsilon` =
-    ``eps``, :math:`\lambda` = ``weight_decay`` and :math:`k = t + 1` at step count :math:`t`:
+    ``eps``, :math:`\lambda` = ``weight_decay`` and :math:`k` the parameter's own number of
+    updates including this one (``state.counts + 1``, ``torch.optim``'s ``state[p]["step"]``;
+    a parameter without a gradient at a step is skipped and does not count it):
 
     .. math::
         g = \nabla + \lambda \theta, \quad m \leftarrow \beta_1 m + (1 - \beta_1) g, \quad
@@ -126,14 +135,14 @@ def adam(
     The square root has derivative 0 where :math:`\hat v = 0` (never-updated entries), so
     hypergradients stay finite.
 
-    Every hyperparameter may be a float, a 0-d tensor, a 1-d schedule indexed by the step
-    count, or one value per parameter (see :func:`sgd`); ``betas`` is a pair of such values
+    Every hyperparameter may be a float, a 0-d tensor, a 1-d schedule indexed by the global
+    step count, or one value per parameter (see :func:`sgd`); ``betas`` is a pair of such values
     and may be overridden per step with ``update(..., betas=(b1, b2))``.
 
     Args:
         lr: learning rate.
         betas: ``(beta1, beta2)``, each in [0, 1).
-        eps: added to the denominator.
+        eps: added to the denominator, > 0.
         weight_decay: L2 coefficient added to the gradient (see :func:`adamw` for decoupled).
         amsgrad: normalize by the running maximum of :math:`v`.
         maximize: ascend instead of descend.

@@ -1,10 +1,18 @@
 """The functional optimizer: an ``init`` / ``update`` pair around one per-tensor update rule.
 
 An update rule maps ``(g, p, slots, count, h)`` -- gradient, parameter, the state slots of
-that parameter, the number of updates done so far and the resolved hyperparameters -- to
-``(delta, new_slots)``; :class:`Optimizer` adds containers (dict or tuple), hyperparameter
-resolution (numbers, tensors, schedules, per-parameter values), masks and checks. Nothing is
-updated in place, so every result is differentiable with respect to tensor hyperparameters.
+that parameter, the number of updates that parameter's state has had so far and the resolved
+hyperparameters -- to ``(delta, new_slots)``; :class:`Optimizer` adds containers (dict or
+tuple), hyperparameter resolution (numbers, tensors, schedules, per-parameter values), masks
+and checks. Nothing is updated in place, so every result is differentiable with respect to
+tensor hyperparameters.
+
+State is kept per parameter, as ``torch.optim`` keeps it: a parameter whose gradient is
+``None`` at a step is skipped (no update, its slots and its count untouched), and its count
+(``torch.optim``'s ``state[p]["step"]``) starts at its first gradient, so bias corrections and
+SGD's undampened first momentum buffer are those of a parameter used late or only sometimes.
+Schedules (1-d hyperparameter tensors) are indexed by the optimizer's global step, as
+``torch.optim.lr_scheduler`` steps once per ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -16,8 +24,17 @@ from typing import Any
 import torch
 
 from gradkit._errors import describe, message
-from gradkit.optim._tree import Params, Structure, leaves, rebuild, structure_of
-from gradkit.optim._values import Scalar, check_value, resolve
+from gradkit._validate import check_bool
+from gradkit.optim._tree import (
+    Grads,
+    Params,
+    Structure,
+    entries,
+    leaves,
+    rebuild,
+    structure_of,
+)
+from gradkit.optim._values import Bounds, Scalar, check_value, resolve
 
 __all__ = ["Optimizer", "Rule", "apply_updates", "lerp", "no_buffer", "safe_sqrt"]
 
@@ -25,10 +42,10 @@ Rule = Callable[
     [torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int, dict[str, Scalar]],
     tuple[torch.Tensor, dict[str, torch.Tensor]],
 ]
-"""``(g, p, slots, count, h) -> (delta, new_slots)`` for one parameter tensor."""
-
-Bounds = tuple[float, "float | None", bool]
-"""``(low, high, high_open)`` for a hyperparameter given as a number."""
+"""``(g, p, slots, count, h) -> (delta, new_slots)`` for one parameter tensor; ``count`` is the
+number of earlier updates of that parameter's state. Slots missing from ``new_slots`` keep
+their value; a rule that returns no slot at all (an optimizer with slots, e.g. SGD at a
+momentum of 0) leaves the parameter's count unchanged."""
 
 
 def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -100,11 +117,17 @@ class Optimizer:
     Built by :func:`sgd`, :func:`adam`, :func:`adamw` or :func:`rmsprop`. ``params`` and
     ``grads`` are a dict ``name -> tensor`` or a tuple of tensors; results mirror them.
 
+    The state is a ``NamedTuple``: ``step`` (the number of ``update`` calls: the index of
+    schedules), one buffer per slot and parameter, and ``counts``, the number of updates of each
+    parameter's state (``torch.optim``'s ``state[p]["step"]``; a container like the parameters
+    of ints, or None for "``step`` for every parameter"). A ``None`` gradient skips its
+    parameter: its weights, buffers and count stay as they are, as in ``torch.optim``.
+
     Attributes:
         name: the optimizer's name (``"sgd"``, ...).
         hyperparams: read-only mapping of the hyperparameter values it was built with.
         slots: the names of the state's per-parameter buffers.
-        state_type: the ``NamedTuple`` type of its state (field ``step`` + the slots).
+        state_type: the ``NamedTuple`` type of its state (``step``, the slots, ``counts``).
     """
 
     def __init__(
@@ -132,8 +155,7 @@ class Optimizer:
         self.mask = _check_mask(mask, name)
 
     def _check(self, key: str, value: Any, call: str) -> Any:
-        low, high, high_open = self._bounds[key]
-        return check_value(value, call, key, low=low, high=high, high_open=high_open)
+        return check_value(value, call, key, self._bounds[key])
 
     def __repr__(self) -> str:
         def show(v: Any) -> str:
@@ -142,24 +164,52 @@ class Optimizer:
         items = [f"{k}={show(v)}" for k, v in (*self._values.items(), *self.flags.items())]
         return f"{self.name}({', '.join(items)})"
 
-    def init(self, params: Params) -> Any:
-        """The initial state: ``step = 0`` and zero slots shaped like ``params``."""
-        call = f"{self.name}.init(params)"
+    def _params(self, params: Any, call: str) -> tuple[Structure, list[torch.Tensor]]:
         structure = structure_of(params, call)
         values = leaves(params, structure, call, "params")
+        for i, p in enumerate(values):
+            if not p.is_floating_point():
+                raise TypeError(
+                    message(
+                        call,
+                        f"params{structure.label(i)}",
+                        "a floating-point tensor (an optimizer step is fractional)",
+                        describe(p),
+                        "convert the parameters with .float() or .double()",
+                    )
+                )
+        return structure, values
+
+    def _state(self, fields: dict[str, Any], step: int, counts: Any) -> Any:
+        """A state of ``step``, the slots in ``fields`` (the others None) and ``counts``."""
+        missing = {f: None for f in self.state_type._fields if f not in fields}
+        missing.pop("step", None)
+        missing["counts"] = counts
+        return self.state_type(step=step, **fields, **missing)
+
+    def init(self, params: Params) -> Any:
+        """The initial state: ``step = 0``, zero slots shaped like ``params`` and every count 0
+        (a slot is first written at its parameter's first gradient)."""
+        call = f"{self.name}.init(params)"
+        structure, values = self._params(params, call)
         fields = {
             s: rebuild(structure, [torch.zeros_like(p.detach()) for p in values])
             for s in self.slots
         }
-        missing = {f: None for f in self.state_type._fields if f not in fields and f != "step"}
-        return self.state_type(step=0, **fields, **missing)
+        return self._state(fields, 0, rebuild(structure, [0] * len(values)))
 
     def _merge(self, hyper: dict[str, Any], call: str) -> dict[str, Any]:
         values = dict(self._values)
         for key, value in hyper.items():
             if key in self._aliases:
                 names = self._aliases[key]
-                if not isinstance(value, (tuple, list)) or len(value) != len(names):
+                if not isinstance(value, (tuple, list)):
+                    raise TypeError(
+                        message(
+                            call, key, f"a pair {names}", describe(value), "pass e.g. (0.9, 0.999)"
+                        )
+                    )
+                if len(value) != len(names):
                     raise ValueError(
                         message(
                             call, key, f"a pair {names}", describe(value), "pass e.g. (0.9, 0.999)"
@@ -182,7 +232,10 @@ class Optimizer:
                 )
         return values
 
-    def _state_slots(self, state: Any, structure: Structure, call: str) -> dict[str, list[Any]]:
+    def _state_parts(
+        self, state: Any, structure: Structure, ps: list[torch.Tensor], call: str
+    ) -> tuple[int, list[int], dict[str, list[Any]]]:
+        """``(step, counts, slots)`` of ``state``, checked against the parameters."""
         if not isinstance(state, self.state_type):
             raise TypeError(
                 message(
@@ -193,11 +246,25 @@ class Optimizer:
                     f"create the state with {self.name}(...).init(params)",
                 )
             )
-        count = state.step
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        step = state.step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(
-                message(call, "state.step", "an int >= 0", repr(count), "use the state init gave")
+                message(call, "state.step", "an int >= 0", repr(step), "use the state init gave")
             )
+        counts = [step] * len(ps)
+        if state.counts is not None:
+            counts = entries(state.counts, structure, call, "state.counts")
+            for i, c in enumerate(counts):
+                if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= step:
+                    raise ValueError(
+                        message(
+                            call,
+                            f"state.counts{structure.label(i)}",
+                            f"an int in [0, state.step={step}]",
+                            repr(c),
+                            "use the state init and update gave",
+                        )
+                    )
         out = {}
         for s in self.slots:
             slot = getattr(state, s)
@@ -212,69 +279,92 @@ class Optimizer:
                     )
                 )
             out[s] = leaves(slot, structure, call, f"state.{s}")
-        return out
+            for i, (v, p) in enumerate(zip(out[s], ps, strict=True)):
+                if v.shape != p.shape or v.dtype != p.dtype or v.device != p.device:
+                    raise ValueError(
+                        message(
+                            call,
+                            f"state.{s}{structure.label(i)}",
+                            f"a buffer like its parameter ({describe(p)} on {p.device})",
+                            f"{describe(v)} on {v.device}",
+                            "create the state with init(params) of these very parameters",
+                        )
+                    )
+        return step, counts, out
 
     def _step(
-        self, grads: Params, state: Any, params: Params, hyper: dict[str, Any]
+        self, grads: Grads, state: Any, params: Params, hyper: dict[str, Any]
     ) -> tuple[Structure, list[torch.Tensor], list[torch.Tensor], Any]:
         call = f"{self.name}.update"
-        structure = structure_of(params, call)
-        ps = leaves(params, structure, call, "params")
+        structure, ps = self._params(params, call)
         gs = leaves(grads, structure, call, "grads", allow_none=True)
-        slots = self._state_slots(state, structure, call)
+        step, counts, slots = self._state_parts(state, structure, ps, call)
         values = self._merge(hyper, call)
         masks: list[Any] = [None] * len(ps)
         if self.mask is not None:
             masks = leaves(self.mask, structure, call, "mask", allow_none=True)
-        count = state.step
-        deltas: list[torch.Tensor] = []
-        new_slots: dict[str, list[torch.Tensor]] = {s: [] for s in self.slots}
         for i, (p, g, m) in enumerate(zip(ps, gs, masks, strict=True)):
-            own = {s: slots[s][i] for s in self.slots}
-            if g is None:
-                deltas.append(torch.zeros_like(p))
-                for s in self.slots:
-                    new_slots[s].append(own[s])
-                continue
-            if g.shape != p.shape:
+            if g is not None and (g.shape != p.shape or g.dtype != p.dtype):
                 raise ValueError(
                     message(
                         call,
                         f"grads{structure.label(i)}",
-                        f"a tensor of shape {tuple(p.shape)} (the parameter's)",
+                        f"a tensor of the parameter's shape {tuple(p.shape)} and dtype {p.dtype}",
                         describe(g),
-                        "pass the gradient of each parameter",
+                        "pass the gradient of each parameter (or None to skip it)",
                     )
                 )
+            if m is not None and m.shape != p.shape:
+                raise ValueError(
+                    message(
+                        call,
+                        f"mask{structure.label(i)}",
+                        f"a boolean tensor of the parameter's shape {tuple(p.shape)}",
+                        describe(m),
+                        "build the mask from the parameter, e.g. weight != 0",
+                    )
+                )
+        deltas: list[torch.Tensor] = []
+        new_slots: dict[str, list[torch.Tensor]] = {s: [] for s in self.slots}
+        new_counts: list[int] = []
+        for i, (p, g, m) in enumerate(zip(ps, gs, masks, strict=True)):
+            own = {s: slots[s][i] for s in self.slots}
+            if g is None:  # torch.optim skips the parameter: nothing moves, nothing counts
+                deltas.append(torch.zeros_like(p))
+                for s in self.slots:
+                    new_slots[s].append(own[s])
+                new_counts.append(counts[i])
+                continue
             p_in = p
             if m is not None:
                 g = torch.where(m, g, torch.zeros_like(g))
                 p_in = torch.where(m, p, torch.zeros_like(p))
-            h = {k: resolve(v, k, structure, i, p, count, call) for k, v in values.items()}
-            d, updated = self._rule(g, p_in, own, count, h)
+            h = {k: resolve(v, k, structure, i, p, step, call) for k, v in values.items()}
+            d, updated = self._rule(g, p_in, own, counts[i], h)
             if m is not None:
                 d = torch.where(m, d, -p)
             deltas.append(d if d.dtype == p.dtype else d.to(p.dtype))
             for s in self.slots:
-                v = updated[s]
+                v = updated.get(s, own[s])
                 new_slots[s].append(v if v.dtype == own[s].dtype else v.to(own[s].dtype))
+            new_counts.append(counts[i] + (1 if updated or not self.slots else 0))
         fields: dict[str, Any] = {s: rebuild(structure, new_slots[s]) for s in self.slots}
-        missing = {f: None for f in self.state_type._fields if f not in fields and f != "step"}
-        return structure, ps, deltas, self.state_type(step=count + 1, **fields, **missing)
+        new_state = self._state(fields, step + 1, rebuild(structure, new_counts))
+        return structure, ps, deltas, new_state
 
-    def delta(self, grads: Params, state: Any, params: Params, **hyper: Any) -> tuple[Any, Any]:
+    def delta(self, grads: Grads, state: Any, params: Params, **hyper: Any) -> tuple[Any, Any]:
         """The update itself: ``(delta, new_state)`` with ``new_params = params + delta``.
 
         Keyword arguments override hyperparameters for this step (same forms as at
-        construction). A ``None`` gradient leaves its parameter and slots unchanged (delta 0),
-        as ``torch.optim`` skips parameters without a gradient.
+        construction). A ``None`` gradient leaves its parameter, slots and count unchanged
+        (delta 0), as ``torch.optim`` skips parameters without a gradient.
         """
         structure, _, deltas, new_state = self._step(grads, state, params, hyper)
         return rebuild(structure, deltas), new_state
 
     def update(
         self,
-        grads: Params,
+        grads: Grads,
         state: Any,
         params: Params,
         *,
@@ -285,8 +375,10 @@ class Optimizer:
         ``(new_params, new_state, delta)`` with ``return_delta=True``.
 
         ``new_params = params + delta``; masked entries become exactly zero. Keyword arguments
-        override hyperparameters for this step (same forms as at construction).
+        override hyperparameters for this step (same forms as at construction). A ``None``
+        gradient skips its parameter (weights, slots and count unchanged).
         """
+        check_bool(return_delta, f"{self.name}.update", "return_delta")
         structure, ps, deltas, new_state = self._step(grads, state, params, hyper)
         new = rebuild(structure, [p + d for p, d in zip(ps, deltas, strict=True)])
         if return_delta:
@@ -307,4 +399,15 @@ def apply_updates(params: Params, delta: Params) -> Any:
     structure = structure_of(params, call)
     ps = leaves(params, structure, call, "params")
     ds = leaves(delta, structure, call, "delta")
+    for i, (p, d) in enumerate(zip(ps, ds, strict=True)):
+        if d.shape != p.shape:
+            raise ValueError(
+                message(
+                    call,
+                    f"delta{structure.label(i)}",
+                    f"a tensor of the parameter's shape {tuple(p.shape)}",
+                    describe(d),
+                    "pass the delta an optimizer returned for these parameters",
+                )
+            )
     return rebuild(structure, [p + d for p, d in zip(ps, ds, strict=True)])

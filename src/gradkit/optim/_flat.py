@@ -2,7 +2,9 @@
 what the hypergradient engines store per step, one row of a preallocated history buffer.
 
 Layout: the parameters in container order, then each state slot (in the state's field order),
-each in container order. The step count is not stored: it is the row's step index.
+each in container order. The step counts are not stored: the global one is the row's step
+index, the per-parameter ones (``state.counts``, plain ints) are kept beside the buffer by
+whoever stores the rows and passed to :meth:`StateLayout.unflatten`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Any
 import torch
 
 from gradkit._errors import describe, message
-from gradkit.optim._tree import Params, Structure, leaves, rebuild, structure_of
+from gradkit._validate import check_int
+from gradkit.optim._tree import Params, Structure, entries, leaves, rebuild, structure_of
 
 __all__ = ["StateLayout", "state_layout"]
 
@@ -83,6 +86,20 @@ class StateLayout:
             )
         if out is None:
             return torch.cat(flat)
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.shape != (self.size,)
+            or out.dtype != self.dtype
+        ):
+            raise ValueError(
+                message(
+                    call,
+                    "out",
+                    f"a 1-d tensor of {self.size} elements of dtype {self.dtype}",
+                    describe(out),
+                    "pass a row of a buffer made for this layout, or out=None",
+                )
+            )
         with torch.no_grad():
             return torch.cat(flat, out=out)
 
@@ -106,9 +123,15 @@ class StateLayout:
             self.structure, [p.view(s) for p, s in zip(pieces, self.shapes, strict=True)]
         )
 
-    def unflatten(self, vector: torch.Tensor, *, step: int) -> tuple[Any, Any]:
-        """``(params, state)`` as views of ``vector``, the state at step count ``step``."""
-        self._check_vector(vector, "StateLayout.unflatten")
+    def unflatten(self, vector: torch.Tensor, *, step: int, counts: Any = None) -> tuple[Any, Any]:
+        """``(params, state)`` as views of ``vector``, the state at step count ``step`` with the
+        per-parameter counts ``counts`` (a container like the parameters of ints; None: ``step``
+        for every parameter, i.e. every parameter had a gradient at every step)."""
+        call = "StateLayout.unflatten"
+        self._check_vector(vector, call)
+        step = check_int(step, call, "step", low=0)
+        if counts is not None:
+            entries(counts, self.structure, call, "counts")
         pieces = [
             p.view(s)
             for p, s in zip(
@@ -121,7 +144,9 @@ class StateLayout:
             f: rebuild(self.structure, pieces[n * (k + 1) : n * (k + 2)])
             for k, f in enumerate(self.fields)
         }
-        missing = {f: None for f in self.state_type._fields if f not in slots and f != "step"}
+        missing = {f: None for f in self.state_type._fields if f not in slots}
+        missing.pop("step", None)
+        missing["counts"] = counts
         return params, self.state_type(step=step, **slots, **missing)
 
 
@@ -156,9 +181,24 @@ def state_layout(params: Params, state: Any) -> StateLayout:
                 "pass opt.init(params)",
             )
         )
-    fields = tuple(f for f in state._fields if f != "step" and getattr(state, f) is not None)
+    fields = tuple(
+        f for f in state._fields if f not in ("step", "counts") and getattr(state, f) is not None
+    )
+    n = len(tensors)
     for f in fields:
-        tensors += leaves(getattr(state, f), structure, call, f"state.{f}")
+        slot = leaves(getattr(state, f), structure, call, f"state.{f}")
+        for i, (v, p) in enumerate(zip(slot, tensors[:n], strict=True)):
+            if v.shape != p.shape:
+                raise ValueError(
+                    message(
+                        call,
+                        f"state.{f}{structure.label(i)}",
+                        f"a buffer shaped like its parameter {tuple(p.shape)}",
+                        describe(v),
+                        "pass the state opt.init(params) gave for these parameters",
+                    )
+                )
+        tensors += slot
     kinds = {(t.dtype, t.device) for t in tensors}
     if len(kinds) > 1:
         raise TypeError(

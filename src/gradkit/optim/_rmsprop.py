@@ -7,9 +7,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradkit._errors import message
+from gradkit._validate import check_bool
 from gradkit.optim._base import Optimizer, lerp, no_buffer, safe_sqrt
-from gradkit.optim._values import Scalar, is_zero
+from gradkit.optim._values import Bounds, Scalar, is_zero
 
 __all__ = ["RMSpropState", "rmsprop"]
 
@@ -17,12 +17,14 @@ __all__ = ["RMSpropState", "rmsprop"]
 class RMSpropState(NamedTuple):
     """State of :func:`rmsprop`: the number of updates done, the running mean of squared
     gradients, the momentum buffer (None without momentum) and the running mean of gradients
-    (``centered=True``, else None)."""
+    (``centered=True``, else None), and per parameter the number of updates of its state
+    (``torch.optim``'s ``state[p]["step"]``; None: ``step`` for all)."""
 
     step: int
     square_avg: Any = None
     momentum_buffer: Any = None
     grad_avg: Any = None
+    counts: Any = None
 
 
 def _rule(centered: bool, maximize: bool, has_momentum: bool) -> Any:
@@ -48,10 +50,11 @@ def _rule(centered: bool, maximize: bool, has_momentum: bool) -> Any:
             avg = safe_sqrt(sq) + eps
         if not has_momentum and not is_zero(mu):
             raise ValueError(no_buffer("rmsprop", "momentum", mu))
-        if has_momentum:
+        if has_momentum and not is_zero(mu):
             buf = slots["momentum_buffer"] * mu + g / avg
             new["momentum_buffer"] = buf
             return -lr * buf, new
+        # no momentum (this parameter's value is the number 0): the buffer is left alone
         return -lr * (g / avg), new
 
     return rule
@@ -85,7 +88,7 @@ def rmsprop(
     Args:
         lr: learning rate.
         alpha: smoothing constant in [0, 1].
-        eps: added to the denominator.
+        eps: added to the denominator, > 0.
         weight_decay: L2 coefficient added to the gradient.
         momentum: :math:`\mu`; a tensor, or a nonzero number, turns the buffer on.
         centered: normalize by the estimated variance instead of the second moment.
@@ -105,9 +108,8 @@ def rmsprop(
         (tensor([0.9800]), tensor([2.2500]))
     """
     call = "rmsprop"
-    for name, flag in (("centered", centered), ("maximize", maximize)):
-        if not isinstance(flag, bool):
-            raise TypeError(message(call, name, "a bool", repr(flag), f"pass {name}=True/False"))
+    check_bool(centered, call, "centered")
+    check_bool(maximize, call, "maximize")
     has_momentum = not is_zero(momentum)
     slots: tuple[str, ...] = ("square_avg",)
     if has_momentum:
@@ -121,11 +123,11 @@ def rmsprop(
         slots,
         {"lr": lr, "alpha": alpha, "eps": eps, "weight_decay": weight_decay, "momentum": momentum},
         {
-            "lr": (0.0, None, False),
-            "alpha": (0.0, 1.0, False),
-            "eps": (0.0, None, False),
-            "weight_decay": (0.0, None, False),
-            "momentum": (0.0, None, False),
+            "lr": Bounds(),
+            "alpha": Bounds(0.0, 1.0),
+            "eps": Bounds(low_open=True),
+            "weight_decay": Bounds(),
+            "momentum": Bounds(),
         },
         {"centered": centered, "maximize": maximize},
         mask=mask,

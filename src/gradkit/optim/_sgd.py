@@ -8,18 +8,22 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import message
+from gradkit._validate import check_bool
 from gradkit.optim._base import Optimizer, no_buffer
-from gradkit.optim._values import Scalar, is_zero
+from gradkit.optim._values import Bounds, Scalar, is_zero
 
 __all__ = ["SGDState", "sgd"]
 
 
 class SGDState(NamedTuple):
-    """State of :func:`sgd`: the number of updates done and the momentum buffers (None
-    without momentum), shaped like the parameters."""
+    """State of :func:`sgd`: the number of updates done, the momentum buffers (None without
+    momentum), shaped like the parameters, and per parameter the number of updates of its
+    momentum buffer (0: the next gradient starts the buffer; without momentum: its updates;
+    None: ``step`` for all)."""
 
     step: int
     momentum_buffer: Any = None
+    counts: Any = None
 
 
 def _rule(nesterov: bool, maximize: bool, has_momentum: bool) -> Any:
@@ -34,16 +38,17 @@ def _rule(nesterov: bool, maximize: bool, has_momentum: bool) -> Any:
             g = -g
         if not is_zero(h["weight_decay"]):
             g = g + h["weight_decay"] * p
-        new: dict[str, torch.Tensor] = {}
-        if not has_momentum and not is_zero(h["momentum"]):
-            raise ValueError(no_buffer("sgd", "momentum", h["momentum"]))
-        if has_momentum:
-            mu = h["momentum"]
-            # torch.optim.SGD starts the buffer at the first gradient, without dampening
-            buf = g if count == 0 else mu * slots["momentum_buffer"] + (1 - h["dampening"]) * g
-            new["momentum_buffer"] = buf
-            g = g + mu * buf if nesterov else buf
-        return -h["lr"] * g, new
+        mu = h["momentum"]
+        if not has_momentum and not is_zero(mu):
+            raise ValueError(no_buffer("sgd", "momentum", mu))
+        if not has_momentum or is_zero(mu):
+            # torch.optim.SGD without momentum (this parameter's value is the number 0): no
+            # buffer, no dampening, the buffer of earlier steps left alone
+            return -h["lr"] * g, {}
+        # torch.optim.SGD starts the buffer at the parameter's first gradient, undampened
+        buf = g if count == 0 else mu * slots["momentum_buffer"] + (1 - h["dampening"]) * g
+        g = g + mu * buf if nesterov else buf
+        return -h["lr"] * g, {"momentum_buffer": buf}
 
     return rule
 
@@ -61,18 +66,27 @@ def sgd(
     r"""Stochastic gradient descent, as ``torch.optim.SGD``, functional and differentiable.
 
     With :math:`\eta` = ``lr``, :math:`\mu` = ``momentum``, :math:`\tau` = ``dampening``,
-    :math:`\lambda` = ``weight_decay`` and step count :math:`t` (from 0):
+    :math:`\lambda` = ``weight_decay`` and :math:`k` the number of earlier updates of the
+    parameter's buffer (``state.counts``; the step count :math:`t` when every step had a
+    gradient):
 
     .. math::
         g_t = \nabla_t + \lambda \theta_t, \quad
-        b_t = \begin{cases} g_t & t = 0 \\ \mu b_{t-1} + (1 - \tau) g_t & t > 0 \end{cases},
+        b_t = \begin{cases} g_t & k = 0 \\ \mu b_{t-1} + (1 - \tau) g_t & k > 0 \end{cases},
         \quad \theta_{t+1} = \theta_t - \eta \,(g_t + \mu b_t \text{ if nesterov else } b_t)
 
-    (without momentum: :math:`\theta_{t+1} = \theta_t - \eta g_t`).
+    (without momentum: :math:`\theta_{t+1} = \theta_t - \eta g_t`). As in ``torch.optim.SGD``,
+    a parameter without a gradient (``None``) is skipped, its buffer starts undampened at its
+    first gradient, and a parameter whose momentum is the number 0 (one value per parameter,
+    like a parameter group with ``momentum=0``) has no buffer and no dampening. A tensor
+    momentum always drives the buffer (the smooth formula, whose derivative at 0 is the one a
+    search over the momentum needs): with a dampening, a tensor momentum of value exactly 0
+    dampens where ``torch.optim`` would not.
 
     Every hyperparameter may be a float, a 0-d tensor, a 1-d tensor indexed by the step count
-    (a schedule), or one value per parameter (a dict for dict parameters, a tuple for tuple
-    parameters; entries are numbers or tensors that broadcast to the parameter). Results are
+    :math:`t` (a schedule), or one value per parameter (a dict for dict parameters, a tuple for
+    tuple parameters; entries are numbers or tensors that broadcast to the parameter). Tensors
+    are checked like numbers (finite, in range) when given, and may require grad. Results are
     differentiable with respect to every tensor.
 
     Args:
@@ -109,9 +123,8 @@ def sgd(
         (tensor(-2.),)
     """
     call = "sgd"
-    for name, flag in (("nesterov", nesterov), ("maximize", maximize)):
-        if not isinstance(flag, bool):
-            raise TypeError(message(call, name, "a bool", repr(flag), f"pass {name}=True/False"))
+    check_bool(nesterov, call, "nesterov")
+    check_bool(maximize, call, "maximize")
     has_momentum = not is_zero(momentum)
     if nesterov and (not has_momentum or not is_zero(dampening)):
         raise ValueError(
@@ -124,7 +137,6 @@ def sgd(
             )
         )
     rule = _rule(nesterov, maximize, has_momentum)
-    inf = None
     return Optimizer(
         "sgd",
         rule,
@@ -132,10 +144,10 @@ def sgd(
         ("momentum_buffer",) if has_momentum else (),
         {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay},
         {
-            "lr": (0.0, inf, False),
-            "momentum": (0.0, inf, False),
-            "dampening": (0.0, 1.0, False),
-            "weight_decay": (0.0, inf, False),
+            "lr": Bounds(),
+            "momentum": Bounds(),
+            "dampening": Bounds(0.0, 1.0),
+            "weight_decay": Bounds(),
         },
         {"nesterov": nesterov, "maximize": maximize},
         mask=mask,

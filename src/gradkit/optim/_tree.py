@@ -13,10 +13,14 @@ import torch
 
 from gradkit._errors import describe, message
 
-__all__ = ["Params", "Structure", "leaves", "rebuild", "structure_of"]
+__all__ = ["Grads", "Params", "Structure", "entries", "leaves", "rebuild", "structure_of"]
 
 Params = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 """Parameters (and anything shaped like them): a dict ``name -> tensor`` or a tuple."""
+
+Grads = Mapping[str, torch.Tensor | None] | Sequence[torch.Tensor | None]
+"""Gradients shaped like the parameters; ``None`` for a parameter without a gradient (skipped,
+as ``torch.optim`` skips a parameter whose ``.grad`` is None)."""
 
 
 class Structure(NamedTuple):
@@ -67,6 +71,29 @@ def structure_of(params: Any, call: str, argument: str = "params") -> Structure:
     return Structure(keys, is_dict)
 
 
+def entries(
+    value: Any, structure: Structure, call: str, argument: str, what: str = "entries"
+) -> list[Any]:
+    """The entries of ``value`` in the order of ``structure``, whatever they are; raises when
+    ``value`` is not a container of the same kind with the same keys (or length)."""
+    expected = (
+        f"a dict with the keys {list(structure.keys)}"
+        if structure.is_dict
+        else f"a tuple of {len(structure.keys)} {what}"
+    )
+    fix = f"give {argument} the structure of the parameters"
+    if structure.is_dict:
+        if not isinstance(value, Mapping) or list(value.keys()) != list(structure.keys):
+            if isinstance(value, Mapping) and set(value.keys()) == set(structure.keys):
+                return [value[k] for k in structure.keys]
+            got = f"keys {list(value.keys())}" if isinstance(value, Mapping) else value
+            raise ValueError(message(call, argument, expected, got, fix))
+        return list(value.values())
+    if not isinstance(value, (tuple, list)) or len(value) != len(structure.keys):
+        raise ValueError(message(call, argument, expected, value, fix))
+    return list(value)
+
+
 def leaves(
     value: Any,
     structure: Structure,
@@ -75,27 +102,10 @@ def leaves(
     *,
     allow_none: bool = False,
 ) -> list[Any]:
-    """The entries of ``value`` in the order of ``structure``; raises when ``value`` is not a
-    container of the same kind with the same keys (or length)."""
-    expected = (
-        f"a dict with the keys {list(structure.keys)}"
-        if structure.is_dict
-        else f"a tuple of {len(structure.keys)} tensors"
-    )
-    fix = f"give {argument} the structure of the parameters"
-    if structure.is_dict:
-        if not isinstance(value, Mapping) or list(value.keys()) != list(structure.keys):
-            if isinstance(value, Mapping) and set(value.keys()) == set(structure.keys):
-                items = [value[k] for k in structure.keys]
-            else:
-                got = f"keys {list(value.keys())}" if isinstance(value, Mapping) else value
-                raise ValueError(message(call, argument, expected, got, fix))
-        else:
-            items = list(value.values())
-    else:
-        if not isinstance(value, (tuple, list)) or len(value) != len(structure.keys):
-            raise ValueError(message(call, argument, expected, value, fix))
-        items = list(value)
+    """The tensors of ``value`` in the order of ``structure``; raises when ``value`` is not a
+    container of the same kind with the same keys (or length), or holds something else than
+    tensors (and ``None`` with ``allow_none``)."""
+    items = entries(value, structure, call, argument, "tensors")
     for key, item in zip(structure.keys, items, strict=True):
         if item is None and allow_none:
             continue

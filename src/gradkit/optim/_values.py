@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from numbers import Real
+from typing import Any, NamedTuple
 
 import torch
 
 from gradkit._errors import describe, message
 from gradkit.optim._tree import Structure
 
-__all__ = ["HyperValue", "Scalar", "check_value", "is_zero", "resolve"]
+__all__ = ["Bounds", "HyperValue", "Scalar", "check_value", "is_zero", "resolve"]
 
 Scalar = float | torch.Tensor
 HyperValue = Any
@@ -30,22 +31,77 @@ HyperValue = Any
 _FIX = "pass a float, a 0-d tensor, a 1-d tensor of one value per step, or one value per parameter"
 
 
-def _check_number(
-    value: Any, call: str, name: str, low: float, high: float | None, high_open: bool
-) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+class Bounds(NamedTuple):
+    """The values a hyperparameter may take: ``low <= v <= high``, the bounds excluded with
+    ``low_open`` / ``high_open`` (``high=None``: no upper bound)."""
+
+    low: float = 0.0
+    high: float | None = None
+    high_open: bool = False
+    low_open: bool = False
+
+    def expected(self) -> str:
+        low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+        if self.high is None:
+            return low
+        return low + (f" and < {self.high:g}" if self.high_open else f" and <= {self.high:g}")
+
+    def holds(self, v: float) -> bool:
+        if math.isnan(v) or math.isinf(v):
+            return False
+        if v <= self.low if self.low_open else v < self.low:
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+
+def _check_number(value: Any, call: str, name: str, bounds: Bounds) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(message(call, name, "a number or a tensor", describe(value), _FIX))
     v = float(value)
-    too_high = high is not None and (v >= high if high_open else v > high)
-    if not math.isfinite(v) or v < low or too_high:
-        bound = "" if high is None else (f" and < {high:g}" if high_open else f" and <= {high:g}")
+    if not bounds.holds(v):
         raise ValueError(
-            message(call, name, f"a finite value >= {low:g}{bound}", repr(value), "fix the value")
+            message(call, name, f"a finite value {bounds.expected()}", repr(value), "fix the value")
         )
     return v
 
 
-def _check_tensor(value: torch.Tensor, call: str, name: str, *, schedule_ok: bool) -> None:
+def _check_entries(value: torch.Tensor, call: str, name: str, bounds: Bounds) -> None:
+    """Check the values of a tensor hyperparameter (one read at construction or override).
+
+    Tensors that cannot be read (inside ``vmap``, on the meta device) are left alone; a tensor
+    that requires grad is read through ``detach()`` (its graph is not touched)."""
+    try:
+        data = value.detach()
+        if data.device.type == "meta" or data.numel() == 0:
+            return
+        flat = data.reshape(-1).double()
+        low_ok = flat > bounds.low if bounds.low_open else flat >= bounds.low
+        ok = torch.isfinite(flat) & low_ok
+        if bounds.high is not None:
+            ok &= flat < bounds.high if bounds.high_open else flat <= bounds.high
+        bad = (~ok).nonzero()
+        if bad.numel() == 0:
+            return
+        first = int(bad[0, 0])
+        shown = float(flat[first])
+    except (RuntimeError, NotImplementedError):  # vmap / functorch wrappers, fake tensors
+        return
+    shape = tuple(value.shape)
+    where = "" if value.dim() == 0 else f" (entry {first} of a tensor of shape {shape})"
+    raise ValueError(
+        message(
+            call,
+            name,
+            f"a tensor of finite values {bounds.expected()}",
+            f"{shown!r}{where}",
+            "fix the value (a tensor hyperparameter may require grad, but its value must be valid)",
+        )
+    )
+
+
+def _check_tensor(
+    value: torch.Tensor, call: str, name: str, bounds: Bounds, *, schedule_ok: bool
+) -> None:
     if not value.is_floating_point():
         raise TypeError(
             message(
@@ -66,40 +122,36 @@ def _check_tensor(value: torch.Tensor, call: str, name: str, *, schedule_ok: boo
                 "give per-parameter tensors in a dict (or a tuple) keyed like the parameters",
             )
         )
+    _check_entries(value, call, name, bounds)
 
 
-def check_value(
-    value: Any,
-    call: str,
-    name: str,
-    *,
-    low: float = 0.0,
-    high: float | None = None,
-    high_open: bool = False,
-) -> Any:
-    """Check a hyperparameter at construction time and return it (numbers as floats).
+def check_value(value: Any, call: str, name: str, bounds: Bounds) -> Any:
+    """Check a hyperparameter (at construction, or a per-step override) and return it (numbers
+    as floats, containers as a dict or a tuple).
 
-    Numbers must lie in ``[low, high]`` (``[low, high)`` with ``high_open``); tensors are
-    checked for dtype and rank only, never read (no device synchronization).
+    Numbers and every entry of a tensor must be finite and within ``bounds``; tensors must be
+    floating point, 0-d or 1-d (a schedule) at the top level, any shape inside a per-parameter
+    container. Tensors are read once here (one device synchronization); tensors that require
+    grad are accepted (they are the hyperparameters to differentiate).
     """
     if isinstance(value, torch.Tensor):
-        _check_tensor(value, call, name, schedule_ok=True)
+        _check_tensor(value, call, name, bounds, schedule_ok=True)
         return value
     if isinstance(value, Mapping):
         for key, item in value.items():
             if isinstance(item, torch.Tensor):
-                _check_tensor(item, call, f"{name}[{key!r}]", schedule_ok=False)
+                _check_tensor(item, call, f"{name}[{key!r}]", bounds, schedule_ok=False)
             else:
-                _check_number(item, call, f"{name}[{key!r}]", low, high, high_open)
+                _check_number(item, call, f"{name}[{key!r}]", bounds)
         return dict(value)
     if isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
             if isinstance(item, torch.Tensor):
-                _check_tensor(item, call, f"{name}[{i}]", schedule_ok=False)
+                _check_tensor(item, call, f"{name}[{i}]", bounds, schedule_ok=False)
             else:
-                _check_number(item, call, f"{name}[{i}]", low, high, high_open)
+                _check_number(item, call, f"{name}[{i}]", bounds)
         return tuple(value)
-    return _check_number(value, call, name, low, high, high_open)
+    return _check_number(value, call, name, bounds)
 
 
 def is_zero(value: Any) -> bool:
