@@ -21,6 +21,7 @@ from typing import Any, overload
 import torch
 
 from gradkit._errors import GradkitError, describe, message
+from gradkit._forward_ad import load_decompositions
 from gradkit._validate import check_choice, is_batching_error
 from gradkit.func._checks import check_bool, check_callable, check_optional_int, is_transformed
 from gradkit.func._common import (
@@ -135,6 +136,7 @@ def hvp(
 
         value = f(*primals)
         _check_scalar(value, call)
+        load_decompositions()
         hv = torch.func.jvp(grad_f, primals, vs)[1]
         res = list(hv)
     else:

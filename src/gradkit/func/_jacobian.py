@@ -23,6 +23,7 @@ import torch
 from torch.func import vmap
 
 from gradkit._errors import describe, message
+from gradkit._forward_ad import load_decompositions
 from gradkit._validate import check_choice, normalize_argnums
 from gradkit.func._checks import check_bool, check_callable
 from gradkit.func._common import (
@@ -73,6 +74,8 @@ def _forward_cols(
         t[offset : offset + s].copy_(torch.eye(s, dtype=p.dtype, device=p.device))
         tangents.append(t.view(n, *p.shape))
         offset += s
+
+    load_decompositions()
 
     def push(*t: torch.Tensor) -> torch.Tensor:
         return _check_tensor_output(torch.func.jvp(g, tuple(primals), t)[1], "jacobian(f)")
@@ -330,6 +333,7 @@ def batch_jacobian(
         blocks = rows.reshape(m, b, n).transpose(0, 1).reshape(b, *o_shape, *x_shape)
     else:
         basis = torch.eye(n, dtype=x.dtype, device=x.device).view(n, 1, *x_shape)
+        load_decompositions()
 
         def push(t: torch.Tensor) -> torch.Tensor:
             return torch.func.jvp(f, (x,), (t,))[1]

@@ -15,6 +15,7 @@ from typing import Any, overload
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._forward_ad import load_decompositions
 from gradkit._validate import normalize_argnums
 from gradkit.func._checks import check_bool, check_callable, check_tensor
 from gradkit.func._common import (
@@ -167,6 +168,7 @@ def jvp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
     _check_differentiable(primals, range(len(primals)), call, argnums=False)
     tangents, _ = _as_tuple(v, call, "v")
     _check_like(tangents, primals, call, "v", "argument")
+    load_decompositions()
     with _mutation_errors(call):
         out, tangent_out = torch.func.jvp(_checked_outputs(f, call), primals, tangents)[:2]
     return out, tangent_out
