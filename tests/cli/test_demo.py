@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from gradkit.cli import main
-from gradkit.cli._demo import _scoped_torch_state
+from gradkit.cli._demo import SECTIONS, _scoped_torch_state, section_title
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = [
@@ -28,27 +30,47 @@ FIGURES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """One in-process quick demo shared by the tests: (out, run folder, stdout)."""
-    import contextlib
-    import io
+class _FakeTTY(io.StringIO):
+    """stderr as a terminal: the progress bars are drawn into it."""
 
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def quick_run_with_progress(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, Path, str, str]:
+    """One in-process quick demo shared by the tests, its progress drawn on a (fake) terminal:
+    (out, run folder, stdout, stderr)."""
     out = tmp_path_factory.mktemp("demo_out")
-    buffer = io.StringIO()
+    buffer, terminal = io.StringIO(), _FakeTTY()
     # Without --threads the demo leaves torch's thread count as it is. One thread is the fast
     # setting for this small model, and the only one that stays fast when other processes
     # share the cores (intra-op threads then wait on each other at every op).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with contextlib.redirect_stdout(buffer):
-            code = main(["demo", "--quick", "--out", str(out), "--no-progress", "--seed", "0"])
+        with (
+            pytest.MonkeyPatch.context() as env,
+            contextlib.redirect_stdout(buffer),
+            contextlib.redirect_stderr(terminal),
+        ):
+            env.setenv("TERM", "xterm")
+            for name in ("TTY_INTERACTIVE", "TTY_COMPATIBLE", "NO_COLOR", "FORCE_COLOR"):
+                env.delenv(name, raising=False)
+            code = main(["demo", "--quick", "--out", str(out), "--seed", "0"])
     finally:
         torch.set_num_threads(threads)
-    assert code == 0
+    assert code == 0, terminal.getvalue()
     (run,) = out.iterdir()
-    return out, run, buffer.getvalue()
+    return out, run, buffer.getvalue(), terminal.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_run_with_progress: tuple[Path, Path, str, str]) -> tuple[Path, Path, str]:
+    """(out, run folder, stdout) of the shared quick demo."""
+    return quick_run_with_progress[:3]
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +175,15 @@ def test_demo_in_ci_without_stdin_or_terminal(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
     env["CI"] = "true"
     argv = ["demo", "--quick", "--epochs", "1", "--threads", "1", "--out", str(tmp_path)]
+    # the real command line in a child process, with the report cut to its first two sections
+    # (the full quick run is the module fixture's)
+    script = (
+        "import sys; from gradkit.cli import _demo, main; "
+        "_demo.SECTIONS[:] = [_demo.setup_section, _demo.training_section]; "
+        "raise SystemExit(main(sys.argv[1:]))"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "gradkit", *argv],
+        [sys.executable, "-c", script, *argv],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -168,3 +197,18 @@ def test_demo_in_ci_without_stdin_or_terminal(tmp_path: Path) -> None:
     data = json.loads((run / "metrics.json").read_text())
     assert data["setup"]["threads"] == 1
     assert len(data["training"]["epochs"]) == 1
+
+
+def test_progress_is_shown_for_training_and_every_section(
+    quick_run_with_progress: tuple[Path, Path, str, str],
+) -> None:
+    _, _, stdout, stderr = quick_run_with_progress
+    assert "training" in stderr
+    titles = [section_title(section) for section in SECTIONS]
+    assert len(set(titles)) == len(titles) == 7
+    for title in titles:
+        assert f" {title}" in stderr, title
+    assert "hyper-cleaning, hyper-step" in stderr  # the long section says what it is doing
+    assert "RTHO tuning" in stderr
+    assert f"{len(titles)}/{len(titles)}" in stderr
+    assert "\x1b[" not in stdout  # the bars go to stderr only

@@ -1,21 +1,29 @@
-"""Terminal output of the CLI: the training progress bar and the demo's summary table (rich).
+"""Terminal output of the CLI: progress bars and the demo's summary table (rich).
 
-The progress bar is shown only when asked for *and* stderr is an interactive terminal (not a
-pipe, a file, a CI log or ``TERM=dumb``); ``FORCE_COLOR`` alone does not turn it on, so CI logs
-stay free of redraws. Without a bar the training callback does nothing.
+Two bars cover a demo run: one over the training steps, then one over the report's sections
+(the section running, a note on what it is doing, elapsed time, and a spinner that keeps
+turning through long sections). They are shown only when asked for *and* stderr is an
+interactive terminal (not a pipe, a file, a CI log or ``TERM=dumb``); ``FORCE_COLOR`` alone
+does not turn them on, so CI logs stay free of redraws. Without a bar the callbacks do nothing.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
 from gradkit.cli._report import Report
 
-__all__ = ["interactive", "print_summary", "training_progress"]
+__all__ = [
+    "SectionProgress",
+    "interactive",
+    "print_summary",
+    "section_progress",
+    "training_progress",
+]
 
 StepCallback = Callable[[int, float], None]
 
@@ -77,6 +85,74 @@ def training_progress(
             progress.update(task, completed=step, loss=f"{loss:.4f}")
 
         yield on_step
+
+
+class SectionProgress:
+    """Progress over named sections: :meth:`start` one, :meth:`note` what it is doing.
+
+    Without a rich ``Progress`` (``progress=None``) every method does nothing.
+    """
+
+    def __init__(self, titles: Sequence[str], progress: Any = None) -> None:
+        self.titles = list(titles)
+        self._progress = progress
+        self._task = (
+            None
+            if progress is None
+            else progress.add_task("sections", total=len(self.titles), section="-")
+        )
+        self._current = ""
+
+    def start(self, index: int) -> None:
+        """Section ``index`` begins (``len(titles)``: all are done)."""
+        self._current = self.titles[index] if index < len(self.titles) else "done"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=index, section=self._current)
+            self._progress.refresh()  # short sections would otherwise never be drawn
+
+    def note(self, text: str) -> None:
+        """Show what the current section is doing, e.g. ``"RTHO, 40/100 steps"``."""
+        if self._progress is not None:
+            self._progress.update(self._task, section=f"{self._current}: {text}")
+
+
+@contextmanager
+def section_progress(
+    titles: Sequence[str], *, enabled: bool, console: Any = None
+) -> Iterator[SectionProgress]:
+    """A rich progress bar over the report's sections; yields its :class:`SectionProgress`.
+
+    Args:
+        titles: the sections' names, in order.
+        enabled: the user's choice (``--no-progress`` gives False).
+        console: a ``rich.console.Console``; default one on stderr.
+    """
+    stream = console.file if console is not None else sys.stderr
+    if not (enabled and interactive(stream)):
+        yield SectionProgress(titles)
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]report"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[section]}"),
+        console=console if console is not None else Console(stderr=True),
+        transient=False,
+    )
+    with progress:
+        yield SectionProgress(titles, progress)
 
 
 def _get(metrics: dict[str, Any], *path: str) -> Any:

@@ -6,8 +6,9 @@ it reads the trained model and data from the :class:`DemoContext` and adds one s
 own section function; nothing else changes.
 
 Output: ``<out>/<timestamp>/report.md`` with PNG figures and ``metrics.json``, written only
-inside that folder. Progress (rich) goes to stderr and only to a terminal; the summary table
-goes to stdout.
+inside that folder. Progress (rich: the training steps, then the section running and what it is
+doing, which sections report through :attr:`DemoContext.note`) goes to stderr and only to a
+terminal; the summary table goes to stdout.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from gradkit.cli._sharpness import sharpness_markdown
 from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
 from gradkit.cli._train import Digits, TrainResult, load_digits, make_model, train
 
-__all__ = ["SECTIONS", "DemoConfig", "DemoContext", "Section", "run_demo"]
+__all__ = ["SECTIONS", "DemoConfig", "DemoContext", "Section", "run_demo", "section_title"]
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,10 @@ class DemoConfig:
                 power_steps=12,
                 timing_repeats=5,
                 stats_every=2,
-                hyper_inner_steps=100,
-                hyper_steps=20,
-                hyper_lr=0.05,
-                rtho_steps=150,
+                hyper_inner_steps=60,
+                hyper_steps=15,
+                hyper_lr=0.1,
+                rtho_steps=100,
             )
         return cls(
             out=out, epochs=epochs or cls.epochs, seed=seed, threads=threads, progress=progress
@@ -99,7 +100,8 @@ class DemoContext:
     """What the sections read: settings, data, the trained model and its history.
 
     ``extras`` is for sections that share results with later ones (e.g. statistics gathered
-    during training); keys are the producing section's name.
+    during training); keys are the producing section's name. ``note(text)`` shows what a
+    long section is doing next to the progress bar (it does nothing without one).
     """
 
     config: DemoConfig
@@ -109,6 +111,7 @@ class DemoContext:
     generator: torch.Generator
     train_seconds: float
     extras: dict[str, Any] = field(default_factory=dict)
+    note: Callable[[str], None] = field(default=lambda text: None)
 
 
 Section = Callable[[DemoContext, Report], None]
@@ -308,7 +311,7 @@ def run_demo(
     Returns:
         The saved report (``report.directory`` holds its files).
     """
-    from gradkit.cli._console import training_progress
+    from gradkit.cli._console import section_progress, training_progress
 
     run_start = time.perf_counter()
     report = Report.open(
@@ -343,8 +346,25 @@ def run_demo(
             )
         ctx = DemoContext(config, data, model, result, generator, time.perf_counter() - start)
         ctx.extras["gradstats"] = recorder
-        for section in sections if sections is not None else SECTIONS:
-            section(ctx, report)
+        chosen = SECTIONS if sections is None else sections
+        titles = [section_title(section) for section in chosen]
+        with section_progress(titles, enabled=config.progress, console=console) as progress:
+            ctx.note = progress.note
+            for index, section in enumerate(chosen):
+                progress.start(index)
+                section(ctx, report)
+            progress.start(len(chosen))
         report.header["seconds"] = round(time.perf_counter() - run_start, 2)
         report.save()
     return report
+
+
+def section_title(section: Section) -> str:
+    """The name the progress bar shows for a section function.
+
+    Examples:
+        >>> section_title(accumulation_section)
+        'accumulation'
+    """
+    name = getattr(section, "__name__", "section")
+    return name.removesuffix("_section").replace("_", " ")

@@ -34,6 +34,8 @@ from gradkit import hyper, optim
 from gradkit.cli._hyperclean_data import HypercleanData
 
 __all__ = [
+    "QUICK_HYPER_STEPS",
+    "QUICK_INNER_STEPS",
     "CleaningResult",
     "HypercleanConfig",
     "accuracy",
@@ -45,6 +47,9 @@ __all__ = [
 
 Params = dict[str, torch.Tensor]
 
+#: ``--quick``'s budget (the help text of ``gradkit hyperclean`` quotes it).
+QUICK_HYPER_STEPS, QUICK_INNER_STEPS = 20, 100
+
 
 @dataclass(frozen=True)
 class HypercleanConfig:
@@ -53,8 +58,9 @@ class HypercleanConfig:
     The full defaults keep the paper's inner learning rate (0.1) and flagging threshold
     (1e-3); the inner steps (1000: the RFHO script's argparse default; the paper used 2000),
     the hyper-steps (300 instead of 500) and the hyper learning rate (0.005, the paper's) fit
-    the digits' smaller problem. ``--quick`` runs 40 hyper-steps of 100 inner steps with a hyper
-    learning rate of 0.05.
+    the digits' smaller problem. ``--quick`` runs :data:`QUICK_HYPER_STEPS` hyper-steps of
+    :data:`QUICK_INNER_STEPS` inner steps with a hyper learning rate of 0.1 (on the digits as
+    good as 40 hyper-steps at 0.05, in half the time).
     """
 
     out: str = "runs"
@@ -83,7 +89,11 @@ class HypercleanConfig:
         inner_steps: int | None,
     ) -> HypercleanConfig:
         """Settings from the command line (``None``: the mode's default)."""
-        base = cls(inner_steps=100, hyper_steps=40, hyper_lr=0.05) if quick else cls()
+        base = (
+            cls(inner_steps=QUICK_INNER_STEPS, hyper_steps=QUICK_HYPER_STEPS, hyper_lr=0.1)
+            if quick
+            else cls()
+        )
         return cls(
             out=out,
             quick=quick,

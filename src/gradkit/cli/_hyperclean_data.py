@@ -2,57 +2,48 @@
 (``.npz`` or IDX files), split as in Franceschi et al. 2017 with half of the training labels
 replaced by a wrong class.
 
-Nothing is downloaded and nothing is unpickled: ``.npz`` files are read with
-``np.load(allow_pickle=False)``, IDX files by their documented header (magic number, big-endian
-dimensions, unsigned bytes). Shapes: features ``[N, D]`` float32 in [0, 1], labels ``[N]``.
+Nothing is downloaded and nothing is unpickled: local files are read and checked by
+:mod:`gradkit.cli._hyperclean_files`. Shapes: features ``[N, D]`` float32 in [0, 1], labels
+``[N]``.
 """
 
 from __future__ import annotations
 
-import gzip
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
-__all__ = ["DataError", "HypercleanData", "Source", "load_source", "make_split"]
+from gradkit.cli._hyperclean_files import (
+    NPZ_FIX,
+    DataError,
+    fail,
+    one_line,
+    read_idx,
+    read_idx_folder,
+    read_npz,
+)
+from gradkit.cli._train import bundled_digits
+
+__all__ = ["DataError", "HypercleanData", "Source", "load_source", "make_split", "read_idx"]
 
 # the paper's MNIST protocol: 20,000 examples split 25 % / 25 % / 50 %
 PAPER_TRAIN, PAPER_TEST = 5000, 10000  # and as many validation examples as training ones
 QUICK_MNIST = (1000, 1000, 2000)
-_IDX_NAMES = {
-    "x_train": ("train-images-idx3-ubyte", "train-images.idx3-ubyte"),
-    "y_train": ("train-labels-idx1-ubyte", "train-labels.idx1-ubyte"),
-    "x_test": ("t10k-images-idx3-ubyte", "t10k-images.idx3-ubyte"),
-    "y_test": ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
-}
-_IDX_TYPES: dict[int, np.dtype[Any]] = {
-    0x08: np.dtype(">u1"),
-    0x09: np.dtype(">i1"),
-    0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"),
-    0x0D: np.dtype(">f4"),
-    0x0E: np.dtype(">f8"),
-}
-
-
-class DataError(ValueError):
-    """A data file that cannot be used (its message says which and why)."""
 
 
 @dataclass(frozen=True)
 class Source:
     """Examples before the split: ``test_*`` is None when the source has no test set of its
-    own (the digits), else the source's official test set."""
+    own (the digits), else the source's official test set; ``origin`` is the ``--data`` path
+    (empty for the digits)."""
 
     name: str
     x: torch.Tensor
     y: torch.Tensor
     test_x: torch.Tensor | None
     test_y: torch.Tensor | None
+    origin: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,111 +72,8 @@ class HypercleanData:
 
 
 def _digits() -> Source:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-    return Source(
-        "scikit-learn digits", x, torch.tensor(bunch.target, dtype=torch.long), None, None
-    )
-
-
-def _features(x: np.ndarray, path: Path, key: str) -> torch.Tensor:
-    if x.ndim < 2 or x.shape[0] == 0 or x.dtype.kind not in "uif":
-        raise DataError(
-            f"--data {path}: {key}: expected a non-empty array of numbers shaped [N, ...], "
-            f"got dtype {x.dtype} and shape {x.shape}"
-        )
-    flat = torch.from_numpy(np.ascontiguousarray(x.reshape(x.shape[0], -1), dtype=np.float32))
-    if not bool(torch.isfinite(flat).all()):
-        raise DataError(f"--data {path}: {key}: holds NaN or infinite values")
-    top = float(flat.max())
-    if x.dtype == np.uint8 or top > 1.0:
-        flat = flat / (255.0 if top <= 255.0 else top)
-    return flat
-
-
-def _labels(y: np.ndarray, n: int, path: Path, key: str) -> torch.Tensor:
-    if y.ndim != 1 or y.shape[0] != n or y.dtype.kind not in "ui":
-        raise DataError(
-            f"--data {path}: {key}: expected {n} integer class labels shaped [N], got dtype "
-            f"{y.dtype} and shape {y.shape}"
-        )
-    labels = torch.from_numpy(y.astype(np.int64))
-    if int(labels.min()) < 0:
-        raise DataError(f"--data {path}: {key}: labels must be >= 0")
-    return labels
-
-
-def _npz(path: Path) -> Source:
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in archive]
-            if missing:
-                raise DataError(
-                    f"--data {path}: expected the keys x_train, y_train, x_test, y_test, "
-                    f"missing {', '.join(missing)} (found {', '.join(archive.files)})"
-                )
-            arrays = {k: archive[k] for k in ("x_train", "y_train", "x_test", "y_test")}
-    except ValueError as err:  # object arrays need pickle: refused
-        if isinstance(err, DataError):
-            raise
-        raise DataError(f"--data {path}: not a plain .npz of numeric arrays ({err})") from None
-    except (OSError, EOFError) as err:
-        raise DataError(f"--data {path}: cannot read it as .npz ({err})") from None
-    x = _features(arrays["x_train"], path, "x_train")
-    tx = _features(arrays["x_test"], path, "x_test")
-    if x.shape[1] != tx.shape[1]:
-        raise DataError(
-            f"--data {path}: x_train and x_test have {x.shape[1]} and {tx.shape[1]} features"
-        )
-    y = _labels(arrays["y_train"], len(x), path, "y_train")
-    ty = _labels(arrays["y_test"], len(tx), path, "y_test")
-    return Source(f"{path.name} (.npz)", x, y, tx, ty)
-
-
-def read_idx(path: Path) -> np.ndarray:
-    """An IDX file (optionally gzipped) as a numpy array, from its header: two zero bytes,
-    a type code, the number of dimensions, then each dimension as a big-endian int32."""
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as err:
-            raise DataError(f"--data: {path}: a broken gzip file ({err})") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
-        raise DataError(f"--data: {path}: not an IDX file (bad magic number)")
-    dtype, ndim = _IDX_TYPES[raw[2]], raw[3]
-    header = 4 + 4 * ndim
-    if ndim == 0 or len(raw) < header:
-        raise DataError(f"--data: {path}: a truncated IDX header")
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
-    count = math.prod(dims)
-    if len(raw) != header + count * dtype.itemsize:
-        raise DataError(
-            f"--data: {path}: the header says {dims} values of {dtype.itemsize} byte(s), "
-            f"the file holds {len(raw) - header} bytes of data"
-        )
-    data = np.frombuffer(raw, dtype=dtype, count=count, offset=header)
-    return data.astype(dtype.newbyteorder("="), copy=False).reshape(dims)
-
-
-def _idx_folder(folder: Path) -> Source:
-    arrays: dict[str, np.ndarray] = {}
-    for key, stems in _IDX_NAMES.items():
-        candidates = [folder / (stem + suffix) for stem in stems for suffix in ("", ".gz")]
-        found = next((c for c in candidates if c.is_file()), None)
-        if found is None:
-            raise DataError(
-                f"--data {folder}: expected MNIST's IDX files in this folder; missing "
-                f"{stems[0]} (or {stems[0]}.gz)"
-            )
-        arrays[key] = read_idx(found)
-    x = _features(arrays["x_train"], folder, "train images")
-    tx = _features(arrays["x_test"], folder, "test images")
-    y = _labels(arrays["y_train"], len(x), folder, "train labels")
-    ty = _labels(arrays["y_test"], len(tx), folder, "test labels")
-    return Source(f"{folder.name} (IDX files)", x, y, tx, ty)
+    x, y = bundled_digits()
+    return Source("scikit-learn digits", x / 16.0, y, None, None)
 
 
 def load_source(data: str | None) -> Source:
@@ -197,17 +85,38 @@ def load_source(data: str | None) -> Source:
     """
     if data is None:
         return _digits()
-    path = Path(data)
-    if path.is_dir():
-        return _idx_folder(path)
-    if not path.is_file():
-        raise DataError(f"--data {data}: no such file or folder")
-    if path.suffix.lower() != ".npz":
-        raise DataError(
-            f"--data {data}: expected an .npz file (x_train, y_train, x_test, y_test) or a "
-            "folder of MNIST IDX files"
+    if not data.strip() or "\x00" in data:
+        raise fail(
+            data,
+            "path",
+            "the path of an .npz file or of a folder of MNIST IDX files",
+            repr(data),
+            "leave --data out to use the bundled digits",
         )
-    return _npz(path)
+    path = Path(data)
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as err:  # e.g. a name too long for the file system
+        raise fail(data, "path", "a usable path", one_line(err), "check the path") from None
+    if is_dir:
+        return Source(f"{path.name} (IDX files)", *read_idx_folder(path), origin=data)
+    if not is_file:
+        raise fail(
+            data,
+            "path",
+            "an existing .npz file or folder of MNIST IDX files",
+            "no such file or folder",
+            "check the path, or leave --data out to use the bundled digits",
+        )
+    if path.suffix.lower() != ".npz":
+        raise fail(
+            data,
+            "file",
+            "an .npz file (x_train, y_train, x_test, y_test) or a folder of MNIST IDX files",
+            f"a {path.suffix or 'extensionless'} file",
+            NPZ_FIX,
+        )
+    return Source(f"{path.name} (.npz)", *read_npz(path), origin=data)
 
 
 def make_split(source: Source, seed: int, *, quick: bool) -> HypercleanData:
@@ -227,7 +136,13 @@ def make_split(source: Source, seed: int, *, quick: bool) -> HypercleanData:
         top = max(top, int(source.test_y.max()))
     num_classes = top + 1
     if num_classes < 2:
-        raise DataError("--data: the labels name a single class; hyper-cleaning needs two or more")
+        raise fail(
+            source.origin or source.name,
+            "labels",
+            "two or more classes",
+            "a single class",
+            "hyper-cleaning replaces labels by other classes: pass data with several",
+        )
     order = torch.randperm(len(source.y), generator=gen)
     if source.test_x is None or source.test_y is None:
         n = len(order)
@@ -252,9 +167,12 @@ def make_split(source: Source, seed: int, *, quick: bool) -> HypercleanData:
             f"training set, the first {n_test} of its test set (the paper: 5000 / 5000 / 10,000)"
         )
     if n_train < 2 or n_val < 1 or len(y_test) < 1:
-        raise DataError(
-            f"--data: too few examples for a split ({n_train} training, {n_val} validation, "
-            f"{len(y_test)} test)"
+        raise fail(
+            source.origin or source.name,
+            "examples",
+            "enough examples for 2 training, 1 validation and 1 test example",
+            f"{n_train} training, {n_val} validation, {len(y_test)} test",
+            "pass a larger data set",
         )
     y_true = source.y[tr]
     n_bad = n_train // 2

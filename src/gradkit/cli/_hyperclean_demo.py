@@ -187,8 +187,10 @@ def hyperparameter_section(ctx: DemoContext, report: Report) -> None:
             inner_steps=cfg.hyper_inner_steps,
             hyper_steps=cfg.hyper_steps,
             hyper_lr=cfg.hyper_lr,
+            on_step=lambda k, _: ctx.note(f"hyper-cleaning, hyper-step {k}/{cfg.hyper_steps}"),
         )
         cleaning_seconds = time.perf_counter() - start
+        ctx.note(f"RTHO tuning lr and momentum over {cfg.rtho_steps} steps")
         run = rtho_run(ctx.data, steps=cfg.rtho_steps, seed=cfg.seed)
     n_train, n_val, n_test = data.sizes
     acc = run["test_accuracy"]
