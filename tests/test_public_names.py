@@ -1,4 +1,4 @@
-"""Every public name shows its public module: ``help()``, reprs and docs never name a private one."""
+"""Every public name shows its public module; help(), reprs and docs never name a private one."""
 
 from __future__ import annotations
 
