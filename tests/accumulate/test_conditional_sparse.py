@@ -372,3 +372,65 @@ def test_indexed_slices_to_dense_and_coo():
     assert s.to_sparse_coo(num_rows=6).shape == (6, 1)
     known = IndexedSlices(T([1]), T([[1.0]]), (3, 1))
     assert known.to_dense(num_rows=10).shape == (3, 1)  # a known dense_shape wins
+
+
+def _tf_forms_take(apply) -> torch.Tensor:
+    acc = SparseConditionalAccumulator(shape=(5, 3), reduction="sum")
+    apply(acc, torch.tensor([0, 3, 3]), torch.arange(9.0).view(3, 3))
+    apply(acc, torch.tensor([4]), torch.ones(1, 3))
+    return acc.take_grad(2).to_dense(5)
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda a, i, v: a.apply_grad(i, v, local_step=0),
+        lambda a, i, v: a.apply_grad(i, v, (5, 3), 0),
+        lambda a, i, v: a.apply_grad(
+            grad_indices=i, grad_values=v, grad_shape=[5, 3], local_step=0
+        ),
+        lambda a, i, v: a.apply_grad(i, grad_values=v, local_step=0),
+        lambda a, i, v: a.apply_indexed_slices_grad(IndexedSlices(i, v, (5, 3)), 0),
+        lambda a, i, v: a.apply_indexed_slices_grad(IndexedSlices(i, v, (5, 3)), local_step=0),
+        lambda a, i, v: a.apply_grad(IndexedSlices(i, v, (5, 3)), 0),
+        lambda a, i, v: a.apply_grad(
+            torch.sparse_coo_tensor(i[None], v, (5, 3), check_invariants=True), local_step=0
+        ),
+    ],
+    ids=[
+        "tf-positional",
+        "tf-all-positional",
+        "tf-keywords",
+        "tf-mixed",
+        "slices",
+        "slices-kw",
+        "slices-apply_grad",
+        "coo",
+    ],
+)
+def test_tensorflow_call_forms_sum_like_the_dense_gradients(apply) -> None:
+    want = torch.zeros(5, 3)
+    want.index_add_(0, torch.tensor([0, 3, 3]), torch.arange(9.0).view(3, 3))
+    want[4] += 1
+    torch.testing.assert_close(_tf_forms_take(apply), want, rtol=0, atol=0)
+
+
+def test_tensorflow_form_with_a_stale_step_is_dropped_and_wrong_mixes_are_named() -> None:
+    acc = SparseConditionalAccumulator(shape=(5, 3))
+    acc.apply_grad(torch.tensor([0]), torch.ones(1, 3), local_step=0)
+    acc.take_grad(1)
+    assert acc.apply_grad(torch.tensor([0]), torch.ones(1, 3), local_step=0) is False
+    with pytest.raises(TypeError, match="grad_shape"):
+        acc.apply_grad(
+            torch.sparse_coo_tensor(
+                torch.tensor([[0]]), torch.ones(1, 3), (5, 3), check_invariants=True
+            ),
+            1,
+            grad_shape=(5, 3),
+        )
+    with pytest.raises(TypeError, match="twice"):
+        acc.apply_grad(
+            torch.tensor([0]), torch.ones(1, 3), grad_values=torch.ones(1, 3), local_step=1
+        )
+    with pytest.raises(TypeError, match="local_step"):
+        acc.apply_grad(IndexedSlices(torch.tensor([0]), torch.ones(1, 3), (5, 3)), 1, 2)

@@ -144,14 +144,15 @@ class SparseConditionalAccumulator(Configured):
     # ---- apply
     def apply_indexed_slices_grad(
         self,
-        indices: torch.Tensor,
-        values: torch.Tensor,
+        indices: Any,
+        values: Any = MISSING,
         local_step: Any = MISSING,
         *,
         dense_shape: Any = None,
     ) -> bool:
         """Add the gradient whose rows ``indices`` (``[n]``, int32 or int64) hold ``values``
-        (``[n, *]``), unless it is stale (``local_step < global_step``).
+        (``[n, *]``), unless it is stale (``local_step < global_step``). TensorFlow's form,
+        ``apply_indexed_slices_grad(IndexedSlices, local_step)``, is accepted too.
 
         Args:
             indices, values: the gradient; copied and coalesced.
@@ -165,6 +166,19 @@ class SparseConditionalAccumulator(Configured):
             applies to non-stale gradients only, after the staleness test; on error nothing
             is added.
         """
+        if isinstance(indices, IndexedSlices):
+            if values is not MISSING and local_step is not MISSING:
+                raise TypeError(
+                    f"{self._NAME}.apply_indexed_slices_grad(grad, local_step): with an "
+                    "IndexedSlices, pass only local_step after it (its values are inside it)"
+                )
+            step_arg = local_step if values is MISSING else values
+            return self.apply_grad(indices, local_step=step_arg)
+        if values is MISSING:
+            raise TypeError(
+                f"{self._NAME}.apply_indexed_slices_grad(indices, values, local_step): missing "
+                "values; pass indices and values, or one IndexedSlices"
+            )
         step = check_local_step(
             local_step, f"{self._NAME}.apply_indexed_slices_grad(indices, values, local_step)"
         )
@@ -174,11 +188,71 @@ class SparseConditionalAccumulator(Configured):
         shape = normalize_dense_shape(dense_shape, call)
         return self._accept(call, step, lambda: self._add_locked(idx, vals, shape, call))
 
-    def apply_grad(self, grad: Any, local_step: Any = MISSING) -> bool:
-        """Add a sparse COO tensor (any ``sparse_dim``; rows are its first dim, duplicates
-        are summed) or an :class:`IndexedSlices`, unless stale. See
-        :meth:`apply_indexed_slices_grad`."""
-        step = check_local_step(local_step, f"{self._NAME}.apply_grad(grad, local_step)")
+    def apply_grad(
+        self,
+        grad: Any = MISSING,
+        *args: Any,
+        local_step: Any = MISSING,
+        grad_indices: Any = MISSING,
+        grad_values: Any = MISSING,
+        grad_shape: Any = None,
+    ) -> bool:
+        """Add a row-sparse gradient unless it is stale. Three call forms:
+
+        * ``apply_grad(grad, local_step)``: ``grad`` a sparse COO tensor (any ``sparse_dim``;
+          rows are its first dim, duplicates are summed) or an :class:`IndexedSlices`;
+        * ``apply_grad(grad_indices, grad_values, grad_shape=None, local_step=...)``:
+          TensorFlow's form (positional or keyword), the same as
+          :meth:`apply_indexed_slices_grad` with ``dense_shape=grad_shape``.
+
+        The forms are told apart by the second positional argument: values (a tensor with at
+        least one dimension, or a list) make it TensorFlow's form; a number is ``local_step``.
+
+        >>> import torch
+        >>> acc = SparseConditionalAccumulator(shape=(4, 2))
+        >>> acc.apply_grad(torch.tensor([1]), torch.tensor([[1.0, 2.0]]), local_step=0)
+        True
+        >>> acc.apply_grad(grad_indices=torch.tensor([1]), grad_values=torch.ones(1, 2),
+        ...                grad_shape=(4, 2), local_step=0)
+        True
+        >>> acc.take_grad(2).values
+        tensor([[1.0000, 1.5000]])
+        """
+        if grad_values is not MISSING or grad_indices is not MISSING or _values_like(args):
+            return self._apply_tf_form(
+                grad, args, local_step, grad_indices, grad_values, grad_shape
+            )
+        base = f"{self._NAME}.apply_grad(grad, local_step)"
+        if grad is MISSING:
+            raise TypeError(
+                f"{base}: missing the gradient; pass grad (a sparse COO tensor or an "
+                "IndexedSlices) or grad_indices and grad_values"
+            )
+        if len(args) > 1 or (args and local_step is not MISSING):
+            raise TypeError(
+                message(
+                    base,
+                    "local_step",
+                    "one local_step",
+                    f"{len(args)} extra positional "
+                    f"argument(s){' and local_step=' if local_step is not MISSING else ''}",
+                    "pass apply_grad(grad, local_step=...) or TensorFlow's "
+                    "apply_grad(grad_indices, grad_values, grad_shape, local_step)",
+                )
+            )
+        if grad_shape is not None:
+            raise TypeError(
+                message(
+                    base,
+                    "grad_shape",
+                    "None with a COO tensor or IndexedSlices",
+                    repr(grad_shape),
+                    "grad_shape goes with grad_indices and grad_values",
+                )
+            )
+        if args:
+            local_step = args[0]
+        step = check_local_step(local_step, base)
         call = f"{self._NAME}.apply_grad(grad, local_step={step})"
         if isinstance(grad, IndexedSlices):
             idx = as_tensor(grad.indices, call, "grad.indices").detach()
@@ -211,6 +285,45 @@ class SparseConditionalAccumulator(Configured):
             idx, vals = rows_of_coo(g.detach())
             shape = tuple(g.shape)
         return self._accept(call, step, lambda: self._add_locked(idx, vals, shape, call))
+
+    def _apply_tf_form(
+        self,
+        grad: Any,
+        args: tuple[Any, ...],
+        local_step: Any,
+        grad_indices: Any,
+        grad_values: Any,
+        grad_shape: Any,
+    ) -> bool:
+        """``apply_grad(grad_indices, grad_values, grad_shape=None, local_step=...)``."""
+        call = f"{self._NAME}.apply_grad(grad_indices, grad_values, grad_shape, local_step)"
+        rest = list(args)
+        if grad is not MISSING and grad_indices is not MISSING:
+            raise TypeError(f"{call}: grad_indices given twice (positionally and by keyword)")
+        indices = grad_indices if grad is MISSING else grad
+        if grad_values is MISSING:
+            grad_values = rest.pop(0) if rest else MISSING
+        elif _values_like(args):
+            raise TypeError(f"{call}: grad_values given twice (positionally and by keyword)")
+        if indices is MISSING or grad_values is MISSING:
+            raise TypeError(f"{call}: expected both grad_indices and grad_values")
+        if rest and grad_shape is None:
+            grad_shape = rest.pop(0)
+        if rest and local_step is MISSING:
+            local_step = rest.pop(0)
+        if rest:
+            raise TypeError(
+                message(
+                    call,
+                    "arguments",
+                    "at most grad_indices, grad_values, grad_shape and local_step",
+                    f"{len(rest)} more positional argument(s) (or one given twice)",
+                    "pass local_step by keyword",
+                )
+            )
+        return self.apply_indexed_slices_grad(
+            indices, grad_values, local_step, dense_shape=grad_shape
+        )
 
     def _add_locked(
         self,
@@ -357,3 +470,12 @@ class SparseConditionalAccumulator(Configured):
 
 for _cls in (IndexedSlices, SparseConditionalAccumulator):
     _cls.__module__ = "gradkit.accumulate"
+
+
+def _values_like(args: tuple[Any, ...]) -> bool:
+    """Whether the second positional argument of ``apply_grad`` is gradient values (TensorFlow's
+    form) rather than a ``local_step``: a tensor with at least one dimension, or a sequence."""
+    if not args:
+        return False
+    first = args[0]
+    return isinstance(first, (list, tuple)) or (isinstance(first, torch.Tensor) and first.dim() > 0)
