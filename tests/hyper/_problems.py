@@ -233,3 +233,10 @@ def finite_difference(
         return float(run(setting, moved))
 
     return (at(1.0) - at(-1.0)) / (2 * eps)
+
+
+def setting_named(name: str) -> Setting:
+    """The setting with this id (tests select settings by name, never by position)."""
+    found = [s for s in SETTINGS if s.id == name]
+    assert len(found) == 1, f"no single setting {name!r} in {[s.id for s in SETTINGS]}"
+    return found[0]

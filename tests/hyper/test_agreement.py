@@ -11,7 +11,7 @@ import torch
 from gradkit import hyper
 from gradkit.testing import assert_close
 
-from ._problems import SETTINGS, D, finite_difference, unrolled
+from ._problems import SETTINGS, D, finite_difference, setting_named, unrolled
 
 IDS = [s.id for s in SETTINGS]
 
@@ -35,9 +35,10 @@ def test_reverse_forward_truncated_and_unrolled_agree(setting):
         assert g.shape == h[name].shape and not g.requires_grad
 
 
-@pytest.mark.parametrize(
-    "setting", SETTINGS[:2] + SETTINGS[-1:], ids=[s.id for s in SETTINGS[:2] + SETTINGS[-1:]]
-)
+CHECKPOINTED = ["softmax-sgd-momentum", "mlp-nesterov-dampened-wd", "mlp-sgd-schedule-minibatches"]
+
+
+@pytest.mark.parametrize("setting", [setting_named(n) for n in CHECKPOINTED], ids=CHECKPOINTED)
 @pytest.mark.parametrize("every", [1, 2, 5, "sqrt", 12, 40])
 def test_checkpointed_reverse_is_the_stored_reverse(setting, every):
     h = setting.fresh_hyper()
@@ -70,7 +71,7 @@ def test_reverse_matches_central_finite_differences(setting):
 
 
 def test_initial_weights_and_a_direct_term_are_hyperparameters():
-    setting = SETTINGS[0]
+    setting = setting_named("softmax-sgd-momentum")
     h = setting.fresh_hyper()
     inner, outer, opt = setting.build(h)
     params0 = setting.params0()
@@ -109,7 +110,7 @@ def test_initial_weights_and_a_direct_term_are_hyperparameters():
 
 
 def test_truncated_is_reverse_restarted_from_the_state_at_T_minus_K():
-    setting = SETTINGS[0]
+    setting = setting_named("softmax-sgd-momentum")
     h = setting.fresh_hyper()
     inner, outer, _ = setting.build(h)
     opt = __import__("gradkit").optim.sgd(

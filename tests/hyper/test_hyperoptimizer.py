@@ -15,7 +15,15 @@ import torch
 
 from gradkit import hyper, optim
 
-from ._problems import N_TRAIN, SETTINGS, D, cross_entropy, data, softmax_logits, softmax_params
+from ._problems import (
+    N_TRAIN,
+    D,
+    cross_entropy,
+    data,
+    setting_named,
+    softmax_logits,
+    softmax_params,
+)
 
 SGD0 = functools.partial(torch.optim.SGD, lr=0.0)
 
@@ -116,7 +124,7 @@ def test_one_step_is_the_engines_hypergradient_through_torch_optim_then_projecte
 
 
 def test_rtho_first_hypergradient_is_forward_mode_over_the_same_window():
-    setting = SETTINGS[0]  # softmax, SGD with momentum and weight decay
+    setting = setting_named("softmax-sgd-momentum")
     h = {k: setting.fresh_hyper()[k] for k in ("lr", "momentum", "weight_decay", "l2")}
     inner, outer, opt = setting.build(h)
     hopt = hyper.HyperOptimizer(
@@ -142,7 +150,7 @@ def test_rtho_first_hypergradient_is_forward_mode_over_the_same_window():
 
 
 def test_rtho_with_minibatches_counts_steps_from_the_start_of_the_run():
-    setting = SETTINGS[-1]  # minibatches, a learning-rate schedule
+    setting = setting_named("mlp-sgd-schedule-minibatches")
     h = setting.fresh_hyper()
     inner, outer, opt = setting.build(h)
     hopt = hyper.HyperOptimizer(

@@ -12,7 +12,7 @@ import torch
 from gradkit import hyper, optim
 from gradkit.testing import assert_close
 
-from ._problems import SETTINGS, D
+from ._problems import D, setting_named
 
 
 def _live_tensors() -> int:
@@ -32,7 +32,7 @@ ENGINES = {
 
 @pytest.mark.parametrize("engine", ENGINES, ids=list(ENGINES))
 def test_no_growth_of_live_tensors_over_repeated_calls(engine):
-    setting = SETTINGS[0]
+    setting = setting_named("softmax-sgd-momentum")
     h = setting.fresh_hyper()
     inner, outer, opt = setting.build(h)
     args = (inner, outer, setting.params0(), opt)
@@ -48,7 +48,7 @@ def test_no_growth_of_live_tensors_over_repeated_calls(engine):
 @pytest.mark.parametrize("engine", ["reverse", "reverse-checkpointed", "forward"])
 def test_live_tensors_do_not_grow_with_the_step(engine):
     # the batch provider runs inside the engines, once per step and pass: count there
-    setting = SETTINGS[1]
+    setting = setting_named("mlp-nesterov-dampened-wd")
     h = setting.fresh_hyper()
     inner, outer, opt = setting.build(h)
     counts: dict[int, list[int]] = {}
@@ -84,7 +84,7 @@ def test_implicit_leaves_no_tensors_behind():
 
 @pytest.mark.parametrize("engine", ["reverse", "forward"])
 def test_hyperparameters_are_left_as_they_were(engine):
-    setting = SETTINGS[0]
+    setting = setting_named("softmax-sgd-momentum")
     h = setting.fresh_hyper()
     h["lr"].requires_grad_(True)  # an outer optimizer's leaf: stays requiring grad
     inner, outer, opt = setting.build(h)
@@ -103,7 +103,7 @@ def test_hyperparameters_are_left_as_they_were(engine):
 @pytest.mark.parametrize("engine", [hyper.reverse, hyper.forward])
 def test_a_non_leaf_hyperparameter_keeps_the_callers_graph_usable(engine):
     # per-example weights as sigmoid(raw): the hypergradient w.r.t. the weights chains to raw
-    setting = SETTINGS[0]
+    setting = setting_named("softmax-sgd-momentum")
     raw = torch.linspace(-1, 1, 12, dtype=D, requires_grad=True)
     w = torch.sigmoid(raw)
     h = {**setting.fresh_hyper(), "w": w}
@@ -115,7 +115,7 @@ def test_a_non_leaf_hyperparameter_keeps_the_callers_graph_usable(engine):
 
 
 def test_forward_returns_the_iterate_and_outer_loss_of_reverse():
-    setting = SETTINGS[2]
+    setting = setting_named("softmax-adam")
     h = setting.fresh_hyper()
     args = (*setting.build(h)[:2], setting.params0(), setting.build(h)[2])
     rev = hyper.reverse(*args, steps=6, hyper={"lr": h["lr"]}, full_output=True)
@@ -125,7 +125,7 @@ def test_forward_returns_the_iterate_and_outer_loss_of_reverse():
 
 
 def test_float32_reverse_agrees_with_float64():
-    setting = SETTINGS[0]
+    setting = setting_named("softmax-sgd-momentum")
     h = setting.fresh_hyper()
     inner, outer, _ = setting.build(h)
     g64 = hyper.reverse(

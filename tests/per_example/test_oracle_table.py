@@ -75,7 +75,7 @@ def test_matches_per_example_loop(setting, reduction, n, splits):
     check(stats, ref)
 
 
-@pytest.mark.parametrize("setting", SETTINGS[:12], ids=lambda s: s.id)
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
 def test_tiny_chunks_equal_unchunked(setting):
     model = setting.module_fn().double()
     x, y = setting.input_fn(6, torch.Generator().manual_seed(1))
