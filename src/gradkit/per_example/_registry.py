@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import PerExampleGrad
 
@@ -60,6 +60,44 @@ Rule = Callable[[nn.Module, list[Use], RuleContext], dict[str, PerExampleGrad]]
 _RULES: dict[type, Rule] = {}
 
 
+def builtin(rule: Rule) -> bool:
+    """Whether ``rule`` is one of gradkit's own (trusted to sum over every use)."""
+    return getattr(rule, "__module__", "").startswith("gradkit.per_example")
+
+
+class CheckedUses(list[Use]):
+    """The ``uses`` handed to a user's rule when a module ran more than once: records which
+    uses the rule read (by iteration or indexing) so that an unread one raises."""
+
+    def __init__(self, uses: list[Use]) -> None:
+        super().__init__(uses)
+        self.read: set[int] = set()
+
+    def __iter__(self) -> Any:
+        self.read.update(range(len(self)))
+        return super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:
+        picked = range(len(self))[index]
+        self.read.update(picked if isinstance(picked, range) else (picked,))
+        return super().__getitem__(index)
+
+    def check(self, rule: Rule, module: str) -> None:
+        """Raise if ``rule`` returned without reading every use."""
+        unread = sorted(set(range(len(self))) - self.read)
+        if unread:
+            raise GradkitError(
+                message(
+                    f"per_example rule {getattr(rule, '__name__', rule)!r} for {module}",
+                    "uses",
+                    f"every one of the {len(self)} uses read (the module ran {len(self)} times "
+                    "in this backward: tied weights or recurrence)",
+                    f"uses {unread} never read",
+                    "sum the per-example gradients over all uses (for u in uses: ...)",
+                )
+            )
+
+
 def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rule], Rule]:
     """Register ``rule`` for the given module classes (and, through the MRO, their subclasses).
 
@@ -75,8 +113,13 @@ def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rul
         ...         return self.s * x
         >>> @register_rule(Scale)
         ... def _scale_rule(module, uses, ctx):
-        ...     x, g = uses[0].inputs[0], uses[0].grad_output
-        ...     return {"s": Materialized((x * g).flatten(1).sum(1))}
+        ...     # every forward call of the module (weight tying, recurrence) adds its part
+        ...     per_example = sum((u.inputs[0] * u.grad_output).flatten(1).sum(1) for u in uses)
+        ...     return {"s": Materialized(per_example)}
+
+    A rule registered here must read every use: gradkit checks it whenever a module was called
+    more than once, and raises naming the rule if one was left unread (a rule that reads only
+    ``uses[0]`` is silently wrong on tied weights). gradkit's own rules are not wrapped.
     """
     if not module_types or not all(isinstance(t, type) for t in module_types):
         raise TypeError(

@@ -67,7 +67,7 @@ from gradkit.per_example._layout import (
     inner_batch_dims,
     parse_batch_dim,
 )
-from gradkit.per_example._registry import RuleContext, Use, find_rule
+from gradkit.per_example._registry import CheckedUses, RuleContext, Use, builtin, find_rule
 from gradkit.per_example._stats import ParamStats, _Acc, acc_dtype, accumulate, parse_want
 from gradkit.per_example._sum import combine
 from gradkit.per_example.rules import vmap_rule
@@ -655,11 +655,15 @@ class Tracker(Mapping[str, ParamStats]):
                 r.buffered.clear()
             return
         uses = [_use(r.call, g, st.rule is vmap_rule) for r, g in pending]
+        if len(uses) > 1 and not builtin(st.rule):
+            uses = CheckedUses(uses)  # a user's rule must read every use
         self._in_rule = True
         try:
             pes = st.rule(st.module, uses, RuleContext(st.params))
         finally:
             self._in_rule = False
+        if isinstance(uses, CheckedUses):
+            uses.check(st.rule, f"{st.name or 'model'} ({type(st.module).__name__})")
         record = pending[0][0]
         if len(pending) == 1 and record.sums is not None and "weight" in pes:
             pes["weight"].on_block = record.sums.add  # the layer's backward sums them

@@ -1,0 +1,91 @@
+"""A user's rule must sum over every use of its module: one that reads only ``uses[0]`` is
+silently wrong on tied weights, so gradkit refuses it when the module ran more than once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradkit
+from gradkit.per_example import Materialized, RuleContext, Use
+from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._registry import _RULES
+from gradkit.testing import per_example_grads
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.s * x
+
+
+class Twice(nn.Module):
+    """One Scale module called twice: its weight is tied across the two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(3, 3), Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(torch.tanh(self.scale(self.lin(x))))
+
+
+def summing_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
+    per_example = sum((u.inputs[0] * u.grad_output).flatten(1).sum(1) for u in uses)
+    return {"s": Materialized(per_example)}
+
+
+def first_use_rule(
+    module: nn.Module, uses: list[Use], ctx: RuleContext
+) -> dict[str, PerExampleGrad]:
+    x, g = uses[0].inputs[0], uses[0].grad_output
+    return {"s": Materialized((x * g).flatten(1).sum(1))}
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 3).sum(1).mean()
+
+
+@pytest.fixture
+def rule_slot(monkeypatch: pytest.MonkeyPatch):
+    def register(rule):
+        monkeypatch.setitem(_RULES, Scale, rule)
+
+    return register
+
+
+def _run(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    with gradkit.per_example.track(model, "batch_grad") as stats:
+        _loss(model(x), y).backward()
+    return stats
+
+
+def test_a_summing_rule_on_a_tied_module_equals_the_loop_oracle(rule_slot) -> None:
+    rule_slot(summing_rule)
+    model = Twice().double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    want = per_example_grads(model, _loss, x, y)
+    stats = _run(model, x, y)
+    for name, g in want.items():
+        torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rule_reading_only_the_first_use_is_refused_on_a_tied_module(rule_slot) -> None:
+    rule_slot(first_use_rule)
+    model = Twice().double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(gradkit.GradkitError, match=r"first_use_rule.*uses \[1\] never read"):
+        _run(model, x, y)
+
+
+def test_a_rule_reading_only_the_first_use_is_fine_when_the_module_ran_once(rule_slot) -> None:
+    rule_slot(first_use_rule)
+    model = nn.Sequential(nn.Linear(3, 3), Scale()).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    want = per_example_grads(model, _loss, x, y)
+    stats = _run(model, x, y)
+    torch.testing.assert_close(stats["1.s"].batch_grad, want["1.s"], rtol=1e-10, atol=1e-12)
