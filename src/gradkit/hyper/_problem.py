@@ -434,7 +434,7 @@ class Dynamics:
         return value.detach(), a.detach(), res[1:], final
 
 
-def accumulate(
+def sum_paths(
     total: list[torch.Tensor | None], parts: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor | None]:
     """Entry-wise sums where ``None`` means "no path" (kept apart from a zero)."""

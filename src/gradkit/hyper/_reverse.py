@@ -32,10 +32,10 @@ from gradkit._validate import check_bool
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
-    accumulate,
     check_hyper,
     check_steps,
     hyper_leaves,
+    sum_paths,
     unused_error,
 )
 
@@ -99,7 +99,7 @@ def _engine(
         if not dyn.any_gradient:
             raise dyn.no_gradient_error()
         value, adjoint, direct, final = dyn.outer(s, hypers)
-        total = accumulate([None] * len(hypers), direct)
+        total = sum_paths([None] * len(hypers), direct)
         segment = s.new_empty((k - 1, dyn.layout.size))
         for j in reversed(range(rows)):
             first = start + j * k
@@ -108,12 +108,12 @@ def _engine(
                 states.append(dyn.step(states[-1], first + i - 1, out=segment[i - 1]))
             for i in reversed(range(len(states))):
                 adjoint, parts = dyn.vjp(states[i], first + i, adjoint, hypers)
-                total = accumulate(total, parts)
+                total = sum_paths(total, parts)
         dyn.check_replay()
         if start == 0 and s0.requires_grad:
             with torch.enable_grad():
                 parts = torch.autograd.grad(s0, hypers, adjoint, allow_unused=True)
-            total = accumulate(total, parts)
+            total = sum_paths(total, parts)
     if last is None:
         for name, g in zip(names, total, strict=True):
             if g is None:

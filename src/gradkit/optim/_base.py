@@ -36,9 +36,9 @@ from gradkit.optim._tree import (
 )
 from gradkit.optim._values import Bounds, Scalar, check_value, resolve
 
-__all__ = ["Optimizer", "Rule", "apply_updates", "lerp", "no_buffer", "safe_sqrt"]
+__all__ = ["Optimizer", "UpdateRule", "apply_updates", "lerp", "no_buffer", "safe_sqrt"]
 
-Rule = Callable[
+UpdateRule = Callable[
     [torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int, dict[str, Scalar]],
     tuple[torch.Tensor, dict[str, torch.Tensor]],
 ]
@@ -133,7 +133,7 @@ class Optimizer:
     def __init__(
         self,
         name: str,
-        rule: Rule,
+        rule: UpdateRule,
         state_type: Any,
         slots: tuple[str, ...],
         hyperparams: dict[str, Any],

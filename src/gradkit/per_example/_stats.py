@@ -98,7 +98,7 @@ def parse_want(quantities: Sequence[Any], moments: Any, call: str) -> Want:
     return Want(frozenset(quantities), tuple(sorted(set(moments))))
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in float64 for float64 parameters, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -140,7 +140,7 @@ class _Acc:
         self.n += n
 
 
-def accumulate(
+def add_block(
     acc: _Acc, pe: PerExampleGrad, scale: float, want: Want, *, mean_given: bool, chunk_size: int
 ) -> None:
     """Add one pass's per-example gradients ``scale * g_n`` to ``acc``.

@@ -68,7 +68,7 @@ from gradkit.per_example._layout import (
     parse_batch_dim,
 )
 from gradkit.per_example._registry import CheckedUses, RuleContext, Use, builtin, find_rule
-from gradkit.per_example._stats import ParamStats, _Acc, acc_dtype, accumulate, parse_want
+from gradkit.per_example._stats import ParamStats, _Acc, add_block, parse_want, statistics_dtype
 from gradkit.per_example._sum import combine
 from gradkit.per_example.rules import vmap_rule
 from gradkit.per_example.rules._thirdparty import register_available, unsplittable
@@ -287,7 +287,7 @@ class Tracker(Mapping[str, ParamStats]):
             for pid in pids.values():
                 owners[pid] = owners.get(pid, 0) + 1
                 param = self._params[pid]
-                self._accs.setdefault(pid, _Acc(param.shape, acc_dtype(param.dtype)))
+                self._accs.setdefault(pid, _Acc(param.shape, statistics_dtype(param.dtype)))
         if not self._accs:
             total = sum(1 for _ in model.parameters())
             raise ValueError(
@@ -347,7 +347,7 @@ class Tracker(Mapping[str, ParamStats]):
         for pid, acc in self._accs.items():
             if acc.n == 0:  # the model may have been cast since track() was called
                 param = self._params[pid]
-                acc.shape, acc.dtype = param.shape, acc_dtype(param.dtype)
+                acc.shape, acc.dtype = param.shape, statistics_dtype(param.dtype)
         self._active = True
         for st in self._states:
             _ACTIVE[st.module] = self
@@ -693,16 +693,16 @@ class Tracker(Mapping[str, ParamStats]):
             if st.shared:
                 self._deferred.setdefault(pid, []).append((pe, mean_given, self._scale(n)))
             else:
-                self._accumulate(pid, pe, mean_given, self._scale(n))
+                self._add(pid, pe, mean_given, self._scale(n))
 
-    def _accumulate(self, pid: int, pe: PerExampleGrad, mean_given: bool, scale: float) -> None:
+    def _add(self, pid: int, pe: PerExampleGrad, mean_given: bool, scale: float) -> None:
         acc = self._accs[pid]
         if self._chunk_size is not None:
             chunk = self._chunk_size
         else:
             per_example = max(1, pe.shape.numel()) * 4 * 4  # block, cast, power, temporaries
             chunk = max(1, self._max_memory // per_example)
-        accumulate(acc, pe, scale, self._want, mean_given=mean_given, chunk_size=chunk)
+        add_block(acc, pe, scale, self._want, mean_given=mean_given, chunk_size=chunk)
 
     def _finalize(self) -> None:
         self._callback_queued = False
@@ -728,7 +728,7 @@ class Tracker(Mapping[str, ParamStats]):
         for pid, parts in deferred.items():
             pe = parts[0][0] if len(parts) == 1 else combine([p for p, _, _ in parts])
             given = all(g for _, g, _ in parts)
-            self._accumulate(pid, pe, given, parts[0][2])
+            self._add(pid, pe, given, parts[0][2])
         n = next(iter(sizes.values()), 0)
         for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
             if pid not in reached:

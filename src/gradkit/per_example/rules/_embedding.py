@@ -23,7 +23,7 @@ from torch import nn
 from gradkit._errors import GradkitError, message
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import acc_dtype
+from gradkit.per_example._stats import statistics_dtype
 
 
 class EmbeddingGrad(PerExampleGrad):
@@ -90,7 +90,7 @@ def embedding_rule(
     d = module.embedding_dim
     idx = torch.cat([u.inputs[0].reshape(n, -1) for u in uses], 1)
     g = torch.cat([u.grad_output.reshape(n, -1, d) for u in uses], 1)
-    g = g.to(acc_dtype(g.dtype))
+    g = g.to(statistics_dtype(g.dtype))
     if module.padding_idx is not None:
         g = g.masked_fill((idx == module.padding_idx)[..., None], 0.0)
     return {"weight": EmbeddingGrad(idx, g, module.num_embeddings)}

@@ -42,7 +42,7 @@ from torch import nn
 from gradkit._errors import GradkitError, message
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import acc_dtype
+from gradkit.per_example._stats import statistics_dtype
 from gradkit.per_example.rules._embedding import EmbeddingGrad
 
 _CALL = "per_example.track(model, ...)"
@@ -224,7 +224,7 @@ def embedding_bag_rule(
                     "example); report this if the tracker reshaped it",
                 )
             )
-        g = g.to(acc_dtype(g.dtype))
+        g = g.to(statistics_dtype(g.dtype))
         keep = bag < n
         if pad is not None:
             keep &= idx != pad

@@ -11,7 +11,7 @@ from torch import nn
 
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import acc_dtype
+from gradkit.per_example._stats import statistics_dtype
 
 
 def affine_rule(
@@ -23,7 +23,7 @@ def affine_rule(
     n = uses[0].grad_output.shape[0]
     d_in = uses[0].inputs[0].shape[-1]
     d_out = uses[0].grad_output.shape[-1]
-    dtype = acc_dtype(uses[0].grad_output.dtype)
+    dtype = statistics_dtype(uses[0].grad_output.dtype)
     a = cat_positions([u.inputs[0].reshape(n, -1, d_in) for u in uses]).to(dtype)
     g = cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]).to(dtype)
     out: dict[str, PerExampleGrad] = {}

@@ -21,7 +21,7 @@ from torch import nn
 
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import acc_dtype
+from gradkit.per_example._stats import statistics_dtype
 
 
 def _sum_positions(
@@ -61,7 +61,7 @@ def _affine(
 
 
 def _prep(uses: list[Use]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    dtype = acc_dtype(uses[0].grad_output.dtype)
+    dtype = statistics_dtype(uses[0].grad_output.dtype)
     xs = [u.inputs[0].to(dtype) for u in uses]
     gs = [u.grad_output.to(dtype) for u in uses]
     return xs, gs
