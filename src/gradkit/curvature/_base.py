@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from gradkit._errors import GradkitError, message
+from gradkit._state import TensorState, named_state
 from gradkit._validate import is_batching_error
 from gradkit.curvature._data import Data, LossFn, select_params
 from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
 from gradkit.curvature._vectors import FlatVectors
 from gradkit.func._checks import check_bool, check_float, check_int, check_optional_int
-from gradkit.func._state import TensorState, named_state
 
 __all__ = ["DENSE_MAX", "CurvatureOperator", "Layout", "Point"]
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
 from gradkit.curvature._data import Data, LossFn, find_error_nodes
 from gradkit.curvature._mlp_diag import mlp_hessian_diagonal, mlp_layers
-from gradkit.func._hvp import _second_grads
 
 __all__ = ["Hessian"]
 

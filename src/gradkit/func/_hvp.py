@@ -20,8 +20,10 @@ from typing import Any, overload
 
 import torch
 
+from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError, describe, message
 from gradkit._forward_ad import load_decompositions
+from gradkit._state import TensorState, graph_leaves
 from gradkit._validate import check_choice, is_batching_error
 from gradkit.func._checks import check_bool, check_callable, check_optional_int, is_transformed
 from gradkit.func._common import (
@@ -31,47 +33,12 @@ from gradkit.func._common import (
     _check_scalar,
     _name,
 )
-from gradkit.func._state import TensorState, graph_leaves
 
 __all__ = ["HVPOperator", "hvp", "hvp_operator"]
 
 logger = logging.getLogger(__name__)
 
 _METHODS = ("auto", "reverse_over_reverse", "forward_over_reverse")
-
-
-def _second_grads(
-    gs: Sequence[torch.Tensor | None],
-    xs: Sequence[torch.Tensor],
-    vs: Sequence[torch.Tensor],
-    *,
-    batched: bool = False,
-    create_graph: bool = False,
-    retain_graph: bool = True,
-) -> list[torch.Tensor]:
-    """``d/dx sum_k <g_k, v_k>`` by one backward through the first-gradient graph ``gs``
-    (kept for further products unless ``retain_graph=False``).
-
-    With ``batched=True`` each ``v_k`` carries a leading dimension of vectors (vectorized
-    backward). Gradients that do not depend on ``xs`` (a linear function) contribute zeros.
-    """
-    live = [k for k, g in enumerate(gs) if g is not None and g.requires_grad]
-    lead = (vs[0].shape[0],) if batched else ()
-    if not live:
-        return [x.new_zeros((*lead, *x.shape)) for x in xs]
-    outputs: list[torch.Tensor] = [g for g in gs if g is not None and g.requires_grad]
-    res = torch.autograd.grad(
-        outputs,
-        list(xs),
-        grad_outputs=[vs[k] for k in live],
-        retain_graph=retain_graph or create_graph,
-        create_graph=create_graph,
-        allow_unused=True,
-        is_grads_batched=batched,
-    )
-    return [
-        x.new_zeros((*lead, *x.shape)) if r is None else r for r, x in zip(res, xs, strict=True)
-    ]
 
 
 @overload

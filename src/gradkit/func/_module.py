@@ -23,13 +23,14 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 
+from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
+from gradkit._state import named_state
 from gradkit._validate import check_choice, check_module
 from gradkit.func._checks import check_bool, check_callable
 from gradkit.func._common import _check_scalar
-from gradkit.func._hvp import HVPOperator, _second_grads
+from gradkit.func._hvp import HVPOperator
 from gradkit.func._jacobian import jacobian
-from gradkit.func._state import named_state
 from gradkit.func._transforms import hessian
 
 __all__ = [

@@ -29,6 +29,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from gradkit._forward_ad import load_decompositions
+from gradkit._tree import leaves, rebuild
 from gradkit._validate import check_bool
 from gradkit.hyper._problem import (
     Dynamics,
@@ -39,7 +40,6 @@ from gradkit.hyper._problem import (
     grads_of,
     unused_error,
 )
-from gradkit.optim._tree import leaves, rebuild
 
 __all__ = ["forward"]
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import message
+from gradkit._tree import leaves, rebuild, structure_of
 from gradkit._validate import check_bool, check_choice, check_int, check_number
 from gradkit.hyper._problem import (
     HyperResult,
@@ -33,7 +34,6 @@ from gradkit.hyper._problem import (
     hyper_leaves,
     unused_error,
 )
-from gradkit.optim._tree import leaves, rebuild, structure_of
 
 __all__ = ["NotStationaryWarning", "implicit"]
 

@@ -26,9 +26,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from gradkit._errors import describe, message
+from gradkit._tree import entries, leaves, rebuild
 from gradkit.hyper._forward import Pair, _pack, _seeded, _unpack
 from gradkit.hyper._problem import Dynamics, check_scalar, grads_of, unused_error
-from gradkit.optim._tree import entries, leaves, rebuild
 
 __all__ = ["OnlineTangents"]
 

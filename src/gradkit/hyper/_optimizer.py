@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._tree import leaves, rebuild, structure_of
 from gradkit._validate import check_bool, check_choice
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import implicit
@@ -37,7 +38,6 @@ from gradkit.hyper._problem import (
     check_steps,
 )
 from gradkit.hyper._reverse import _stride, reverse, truncated
-from gradkit.optim._tree import leaves, rebuild, structure_of
 
 __all__ = ["HyperOptimizer", "HyperStep"]
 

@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._tree import entries, leaves, rebuild, structure_of
 from gradkit._validate import check_int
-from gradkit.optim._base import Optimizer
+from gradkit.optim import Optimizer
 from gradkit.optim._flat import state_layout
-from gradkit.optim._tree import entries, leaves, rebuild, structure_of
 
 __all__ = [
     "Batches",

@@ -11,13 +11,13 @@
   the hypergradient engines' history buffers).
 """
 
+from gradkit._tree import Grads, Params
 from gradkit._validate import expose
 from gradkit.optim._adam import AdamState, adam, adamw
 from gradkit.optim._base import Optimizer, apply_updates
 from gradkit.optim._flat import StateLayout, state_layout
 from gradkit.optim._rmsprop import RMSpropState, rmsprop
 from gradkit.optim._sgd import SGDState, sgd
-from gradkit.optim._tree import Grads, Params
 
 __all__ = [
     "AdamState",

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_bool
-from gradkit.optim._tree import (
+from gradkit._tree import (
     Grads,
     Params,
     Structure,
@@ -34,6 +33,7 @@ from gradkit.optim._tree import (
     rebuild,
     structure_of,
 )
+from gradkit._validate import check_bool
 from gradkit.optim._values import Bounds, Scalar, check_value, resolve
 
 __all__ = ["Optimizer", "UpdateRule", "apply_updates", "lerp", "no_buffer", "safe_sqrt"]

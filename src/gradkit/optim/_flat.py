@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._tree import Params, Structure, entries, leaves, rebuild, structure_of
 from gradkit._validate import check_int
-from gradkit.optim._tree import Params, Structure, entries, leaves, rebuild, structure_of
 
 __all__ = ["StateLayout", "state_layout"]
 

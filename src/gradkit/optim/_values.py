@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import describe, message
-from gradkit.optim._tree import Structure
+from gradkit._tree import Structure
 
 __all__ = ["Bounds", "HyperValue", "Scalar", "check_value", "is_zero", "resolve"]
 
