@@ -15,10 +15,13 @@ from gradkit._errors import describe, message
 __all__ = [
     "as_tensor_list",
     "check_bool",
+    "check_callable",
     "check_choice",
     "check_int",
     "check_module",
     "check_number",
+    "check_optional_int",
+    "check_tensor",
     "expose",
     "is_batching_error",
     "normalize_argnums",
@@ -153,9 +156,10 @@ def expose(namespace: dict[str, Any], names: Sequence[str], public: str) -> None
             obj.__module__ = public
 
 
-def check_bool(value: Any, call: str, argument: str) -> bool:
-    """Raise a TypeError naming ``call`` and ``argument`` unless ``value`` is a bool (``1``,
-    ``"yes"`` and ``None`` are not: a flag given by position or as a string is a mistake).
+def check_bool(value: Any, call: str, argument: str, *, optional: bool = False) -> bool | None:
+    """Raise a TypeError naming ``call`` and ``argument`` unless ``value`` is a bool (or ``None``
+    when ``optional``). ``1``, ``"yes"`` and ``"no"`` are refused: a flag given by position or
+    as a string is a mistake, and ``"no"`` would read as true.
 
     Examples:
         >>> check_bool(True, "sgd", "nesterov")
@@ -165,12 +169,14 @@ def check_bool(value: Any, call: str, argument: str) -> bool:
         ...
         TypeError: sgd: nesterov: expected a bool, got 1; pass nesterov=True or nesterov=False
     """
+    if value is None and optional:
+        return None
     if not isinstance(value, bool):
         raise TypeError(
             message(
                 call,
                 argument,
-                "a bool",
+                "a bool or None" if optional else "a bool",
                 describe(value),
                 f"pass {argument}=True or {argument}=False",
             )
@@ -185,13 +191,15 @@ def check_int(
     *,
     low: int | None = None,
     high: int | None = None,
-    example: str | None = None,
+    example: object = None,
+    fix: str | None = None,
 ) -> int:
     """``value`` as an int in ``[low, high]`` (either bound optional).
 
     Accepts ints and integer scalars such as ``numpy.int64`` (anything with ``__index__``), not
     bools or floats (``2.0`` is a TypeError: a float count is usually a mixed-up argument).
-    Wrong type: TypeError; out of range: ValueError.
+    Wrong type: TypeError; out of range: ValueError; both say the range. The message's remedy
+    is ``pass e.g. argument=example`` (``example`` defaults to ``low``), or ``fix`` when given.
 
     Examples:
         >>> check_int(3, "reverse", "steps", low=1)
@@ -201,17 +209,57 @@ def check_int(
         ...
         ValueError: reverse: steps: expected an int >= 1, got 0; pass e.g. steps=1
     """
-    fix = f"pass e.g. {argument}={example if example is not None else (low or 1)}"
+    return _check_int(value, call, argument, low, high, example, fix, optional=False)
+
+
+def check_optional_int(
+    value: Any,
+    call: str,
+    argument: str,
+    *,
+    low: int = 1,
+    example: object = 64,
+    fix: str | None = None,
+) -> int | None:
+    """``None`` (no limit, the default chunking) or an int ``>= low``, as :func:`check_int`.
+
+    Examples:
+        >>> check_optional_int(None, "f", "chunk") is None
+        True
+        >>> check_optional_int(0, "f", "chunk")
+        Traceback (most recent call last):
+        ...
+        ValueError: f: chunk: expected None or an int >= 1, got 0; pass e.g. chunk=64
+    """
+    if value is None:
+        return None
+    return _check_int(value, call, argument, low, None, example, fix, optional=True)
+
+
+def _check_int(
+    value: Any,
+    call: str,
+    argument: str,
+    low: int | None,
+    high: int | None,
+    example: object,
+    fix: str | None,
+    *,
+    optional: bool,
+) -> int:
+    fix = fix or f"pass e.g. {argument}={example if example is not None else (low or 1)}"
+    if high is None:
+        expected = "an int" if low is None else f"an int >= {low}"
+    elif low is None:
+        expected = f"an int <= {high}"
+    else:
+        expected = f"an int in [{low}, {high}]"
+    if optional:
+        expected = "None or " + expected
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(message(call, argument, "an int", describe(value), fix))
+        raise TypeError(message(call, argument, expected, describe(value), fix))
     number = operator.index(value)
     if (low is not None and number < low) or (high is not None and number > high):
-        if high is None:
-            expected = f"an int >= {low}"
-        elif low is None:
-            expected = f"an int <= {high}"
-        else:
-            expected = f"an int in [{low}, {high}]"
         raise ValueError(message(call, argument, expected, repr(value), fix))
     return number
 
@@ -226,11 +274,13 @@ def check_number(
     low_open: bool = False,
     high_open: bool = False,
     finite: bool = True,
-    example: str | None = None,
+    example: object = None,
+    fix: str | None = None,
 ) -> float:
     """``value`` as a float: a real number (int, float, numpy scalar; not a bool, a string or a
     tensor), finite unless ``finite=False`` (NaN is never accepted), within the bounds
     (``low_open``/``high_open`` exclude them). Wrong type: TypeError; bad value: ValueError.
+    The remedy is ``pass e.g. argument=example``, or ``fix`` when given.
 
     Examples:
         >>> check_number(1e-3, "implicit", "tol", low=0)
@@ -240,10 +290,7 @@ def check_number(
         ...
         ValueError: adam: eps: expected a finite number > 0, got 0.0; pass e.g. eps=...
     """
-    fix = f"pass e.g. {argument}={example if example is not None else '...'}"
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(message(call, argument, "a number", describe(value), fix))
-    number = float(value)
+    fix = fix or f"pass e.g. {argument}={example if example is not None else '...'}"
     parts = []
     if low is not None:
         parts.append(f"{'>' if low_open else '>='} {low:g}")
@@ -252,6 +299,9 @@ def check_number(
     expected = ("a finite number" if finite else "a number") + (
         " " + " and ".join(parts) if parts else ""
     )
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(message(call, argument, expected, describe(value), fix))
+    number = float(value)
     bad = math.isnan(number) or (finite and math.isinf(number))
     if low is not None:
         bad = bad or (number <= low if low_open else number < low)
@@ -260,3 +310,28 @@ def check_number(
     if bad:
         raise ValueError(message(call, argument, expected, repr(value), fix))
     return number
+
+
+def check_callable(f: Any, call: str, argument: str = "f", what: str = "a function") -> None:
+    """Raise a TypeError naming ``call`` unless ``f`` is callable."""
+    if not callable(f):
+        raise TypeError(
+            message(
+                call, argument, f"a callable ({what})", describe(f), f"pass {what} as {argument}"
+            )
+        )
+
+
+def check_tensor(value: Any, call: str, argument: str) -> torch.Tensor:
+    """``value`` if it is a tensor, else a TypeError naming ``call``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            message(
+                call,
+                argument,
+                "a torch.Tensor",
+                describe(value),
+                f"convert it with torch.as_tensor({argument})",
+            )
+        )
+    return value

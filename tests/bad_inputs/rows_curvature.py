@@ -189,7 +189,7 @@ ROWS: list[Case] = [
         "curvature.GGN.vectorize_string",
         lambda: GGN(_M, F.cross_entropy, _data(), vectorize="no"),  # type: ignore[arg-type]
         TypeError,
-        ("vectorize", "True, False or None", "'no'"),
+        ("vectorize", "a bool or None", "'no'"),
     ),
     Case(
         "curvature.Hessian.meta_model",
@@ -264,7 +264,7 @@ ROWS: list[Case] = [
         "curvature.spectral_density.width_zero",
         lambda: spectral_density(_H, probes=1, steps=3, width=0.0),
         ValueError,
-        ("spectral_density(Hessian(Sequential))", "width", "positive", "0.0"),
+        ("spectral_density(Hessian(Sequential))", "width", "> 0", "0.0"),
     ),
     Case(
         "curvature.spectral_density.grid_string",
@@ -301,6 +301,6 @@ ROWS: list[Case] = [
         "curvature.check_deterministic.rtol_string",
         lambda: _H.check_deterministic(rtol="tight"),  # type: ignore[arg-type]
         TypeError,
-        ("check_deterministic()", "rtol", "positive finite number", "'tight'"),
+        ("check_deterministic()", "rtol", "finite number > 0", "'tight'"),
     ),
 ]

@@ -209,7 +209,7 @@ ROWS: list[Case] = [
         "func.gradients.create_graph_string",
         lambda: gradients(_A.sum(), [_A], create_graph="yes"),  # type: ignore[arg-type]
         TypeError,
-        ("create_graph", "True or False", "'yes'"),
+        ("create_graph", "a bool", "'yes'"),
     ),
     Case(
         "func.hessians.chunk_size_zero",
@@ -323,7 +323,7 @@ ROWS: list[Case] = [
         "func.grad.has_aux_string",
         lambda: grad(lambda t: t.sum(), has_aux="no")(torch.ones(2)),  # type: ignore[arg-type]
         TypeError,
-        ("grad(<lambda>)", "has_aux", "True or False", "'no'"),
+        ("grad(<lambda>)", "has_aux", "a bool", "'no'"),
     ),
     Case(
         "func.value_and_grad.aux_not_a_tensor",

@@ -266,19 +266,19 @@ ROWS = [
         "per_example.track.max_memory_zero",
         lambda: track(nn.Linear(2, 2), "variance", max_memory=0),
         ValueError,
-        ("max_memory", "positive int", "got 0"),
+        ("max_memory", "int >= 1", "got 0"),
     ),
     Case(
         "per_example.track.chunk_size_negative",
         lambda: track(nn.Linear(2, 2), "variance", chunk_size=-1),
         ValueError,
-        ("chunk_size", "positive int", "-1"),
+        ("chunk_size", "int >= 1", "-1"),
     ),
     Case(
         "per_example.track.unbiased_not_a_bool",
         lambda: track(nn.Linear(2, 2), "variance", unbiased="yes"),  # type: ignore[arg-type]
         TypeError,
-        ("unbiased", "True or False", "'yes'"),
+        ("unbiased", "a bool", "'yes'"),
     ),
     Case(
         "per_example.track.no_trainable_parameter",
@@ -410,7 +410,7 @@ ROWS = [
         "per_example.cabs_batch_size.negative_lr",
         lambda: cabs_batch_size(_tracked("variance"), -0.1, 1.0),
         ValueError,
-        ("lr", "positive", "-0.1"),
+        ("lr", "> 0", "-0.1"),
     ),
     Case(
         "per_example.cabs_batch_size.max_below_min",

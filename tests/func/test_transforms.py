@@ -188,7 +188,7 @@ def test_jacobian_errors():
         r"'forward', 'reverse', got 'fwd'",
     ):
         jacobian(lambda x: x, x, mode="fwd")
-    with pytest.raises(ValueError, match="chunk_size: expected None or a positive int, got 0"):
+    with pytest.raises(ValueError, match="chunk_size: expected None or an int >= 1, got 0"):
         jacobian(lambda x: x, x, chunk_size=0)
     with pytest.raises(ValueError, match=r"argnums: expected indices in \[-1, 1\)"):
         jacobian(lambda x: x, x, argnums=1)

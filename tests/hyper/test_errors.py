@@ -122,9 +122,9 @@ def call(**overrides):
         ),
         ({"steps": -1}, ValueError, REV + r"steps: expected an int >= 1, got -1"),
         ({"steps": 0}, ValueError, REV + r"steps: expected an int >= 1, got 0; pass e.g. steps="),
-        ({"steps": 2.0}, TypeError, REV + r"steps: expected an int, got 2.0"),
-        ({"steps": True}, TypeError, REV + r"steps: expected an int, got True"),
-        ({"steps": "3"}, TypeError, REV + r"steps: expected an int, got '3'"),
+        ({"steps": 2.0}, TypeError, REV + r"steps: expected an int.*, got 2.0"),
+        ({"steps": True}, TypeError, REV + r"steps: expected an int.*, got True"),
+        ({"steps": "3"}, TypeError, REV + r"steps: expected an int.*, got '3'"),
         (
             {"engine": hyper.forward, "steps": 0},
             ValueError,
@@ -133,7 +133,7 @@ def call(**overrides):
         (
             {"engine": hyper.forward, "steps": 1.0},
             TypeError,
-            r"forward\(.*\): steps: expected an int, got 1.0",
+            r"forward\(.*\): steps: expected an int.*, got 1.0",
         ),
         (
             {"engine": hyper.truncated, "steps": 0, "last": 0},
@@ -143,12 +143,12 @@ def call(**overrides):
         (
             {"engine": hyper.truncated, "last": True},
             TypeError,
-            r"truncated\(.*\): last: expected an int, got True",
+            r"truncated\(.*\): last: expected an int.*, got True",
         ),
         (
             {"engine": hyper.truncated, "last": 2.0},
             TypeError,
-            r"truncated\(.*\): last: expected an int, got 2.0",
+            r"truncated\(.*\): last: expected an int.*, got 2.0",
         ),
         ({"checkpoint_every": True}, TypeError, REV + r"checkpoint_every: expected None"),
         ({"checkpoint_every": 2.5}, TypeError, REV + r"checkpoint_every: expected None"),

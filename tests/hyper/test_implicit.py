@@ -154,11 +154,11 @@ CALL = r"implicit\(inner_loss, outer_loss, params_star, hyper\): "
     ("options", "error", "pattern"),
     [
         ({"maxiter": -5}, ValueError, CALL + r"maxiter: expected an int >= 1, got -5"),
-        ({"maxiter": 10.0}, TypeError, CALL + r"maxiter: expected an int, got 10.0"),
-        ({"maxiter": True}, TypeError, CALL + r"maxiter: expected an int, got True"),
+        ({"maxiter": 10.0}, TypeError, CALL + r"maxiter: expected an int.*, got 10.0"),
+        ({"maxiter": True}, TypeError, CALL + r"maxiter: expected an int.*, got True"),
         ({"tol": -1e-3}, ValueError, CALL + r"tol: expected a finite number >= 0, got -0.001"),
         ({"tol": math.nan}, ValueError, CALL + r"tol: expected a finite number >= 0, got nan"),
-        ({"tol": "1e-6"}, TypeError, CALL + r"tol: expected a number, got '1e-6'"),
+        ({"tol": "1e-6"}, TypeError, CALL + r"tol: expected a .*number.*, got '1e-6'"),
         ({"damping": math.inf}, ValueError, CALL + r"damping: expected a finite number >= 0"),
         ({"damping": -1.0}, ValueError, CALL + r"damping: expected a finite number >= 0"),
         (
@@ -166,7 +166,7 @@ CALL = r"implicit\(inner_loss, outer_loss, params_star, hyper\): "
             ValueError,
             CALL + r"alpha: expected a finite number > 0, got 0.0",
         ),
-        ({"alpha": torch.tensor(0.1)}, TypeError, CALL + r"alpha: expected a number, got Tensor"),
+        ({"alpha": torch.tensor(0.1)}, TypeError, CALL + r"alpha: expected a .*number.*, got Tensor"),
         ({"stationary_tol": -1.0}, ValueError, CALL + r"stationary_tol: expected a number >= 0"),
         ({"full_output": 1}, TypeError, CALL + r"full_output: expected a bool, got 1"),
         (

@@ -204,8 +204,8 @@ def test_convolutions_are_read_by_their_layout_whatever_batch_dim_says():
     "batch_dim, kind, words",
     [
         ({"nope": 0}, ValueError, ("batch_dim", "'nope'", "named_modules")),
-        ({"": -1}, ValueError, ("batch_dim['']", "non-negative int", "-1")),
-        ("1", TypeError, ("batch_dim", "non-negative int", "'1'")),
+        ({"": -1}, ValueError, ("batch_dim['']", "an int >= 0", "-1")),
+        ("1", TypeError, ("batch_dim", "expected an int", "'1'")),
     ],
 )
 def test_batch_dim_argument_errors(batch_dim, kind, words):

@@ -688,7 +688,7 @@ def test_broadcast_output_taken_along_the_batch_raises(take: str) -> None:
 
 
 def test_fuse_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match=r"fuse: expected True or False, got 1"):
+    with pytest.raises(TypeError, match=r"fuse: expected a bool, got 1"):
         track(nn.Linear(2, 2), "variance", fuse=1)  # type: ignore[arg-type]
 
 

@@ -8,37 +8,18 @@ Every tensor of a batch is ``[n, *]`` with the same ``n``; other leaves (strings
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._validate import check_int
 
-__all__ = ["batch_size", "positive_int", "positive_real", "slice_batch", "split_batch"]
+__all__ = ["batch_size", "slice_batch", "split_batch"]
 
 _SPLIT = "split_batch(batch, ...)"
 _EXPECTED = "a tensor, or a tuple, list or dict of tensors with the examples along dimension 0"
-
-
-def positive_int(value: Any, call: str, argument: str, fix: str) -> int:
-    """``value`` as an int >= 1 (``bool`` and floats are refused: ``True`` is not a size)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(message(call, argument, "a positive int", repr(value), fix))
-    if value < 1:
-        raise ValueError(message(call, argument, "a positive int", repr(value), fix))
-    return int(value)
-
-
-def positive_real(value: Any, call: str, argument: str, expected: str, fix: str) -> float:
-    """``value`` as a finite float > 0 (``bool`` and strings refused with ``TypeError``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(message(call, argument, expected, repr(value), fix))
-    if not 0 < float(value) < math.inf:  # also NaN
-        raise ValueError(message(call, argument, expected, repr(value), fix))
-    return float(value)
 
 
 def _leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,14 +130,10 @@ def split_batch(
             )
         )
     if micro_batch_size is not None:
-        size = positive_int(
-            micro_batch_size, _SPLIT, "micro_batch_size", "pass e.g. micro_batch_size=8"
-        )
+        size = check_int(micro_batch_size, _SPLIT, "micro_batch_size", low=1, example=8)
         n = batch_size(batch)
         return [slice_batch(batch, s, min(s + size, n)) for s in range(0, n, size)]
-    parts = positive_int(
-        num_micro_batches, _SPLIT, "num_micro_batches", "pass e.g. num_micro_batches=4"
-    )
+    parts = check_int(num_micro_batches, _SPLIT, "num_micro_batches", low=1, example=4)
     n = batch_size(batch)
     k = min(parts, n)
     out, start = [], 0

@@ -17,8 +17,14 @@ import torch
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice, check_module
-from gradkit.accumulate._batches import batch_size, positive_int, positive_real, slice_batch
+from gradkit._validate import (
+    check_choice,
+    check_int,
+    check_module,
+    check_number,
+    check_optional_int,
+)
+from gradkit.accumulate._batches import batch_size, slice_batch
 
 __all__ = ["AdaptiveBatchSize", "activation_bytes", "find_micro_batch_size"]
 
@@ -147,15 +153,13 @@ def find_micro_batch_size(
     _check_loss_fn(loss_fn, call)
     budget: float | None = None
     if budget_bytes is not None:
-        budget = positive_real(
-            budget_bytes,
-            call,
-            "budget_bytes",
-            "None or a positive, finite number of bytes",
-            "pass e.g. budget_bytes=2 * 1024**3",
+        budget = check_number(
+            budget_bytes, call, "budget_bytes", low=0, low_open=True, example="2 * 1024**3"
         )
     if max_size is not None:
-        max_size = positive_int(max_size, call, "max_size", "pass e.g. max_size=64, or None")
+        max_size = check_optional_int(
+            max_size, call, "max_size", fix="pass e.g. max_size=64, or None"
+        )
     n = batch_size(batch, call)
     top = min(n, max_size) if max_size is not None else n
     if top < 1:
@@ -244,13 +248,13 @@ class AdaptiveBatchSize:
 
     def __post_init__(self) -> None:
         call = "AdaptiveBatchSize(...)"
-        self.micro_batch_size = positive_int(
-            self.micro_batch_size, call, "micro_batch_size", "pass e.g. micro_batch_size=8"
+        self.micro_batch_size = check_int(
+            self.micro_batch_size, call, "micro_batch_size", low=1, example=8
         )
         check_choice(self.rule, ("noise_scale", "cabs"), call, "rule")
-        self.min_micro = positive_int(self.min_micro, call, "min_micro", "pass e.g. min_micro=1")
-        self.max_micro = positive_int(self.max_micro, call, "max_micro", "pass e.g. max_micro=64")
-        self.num_micro = positive_int(self.num_micro, call, "num_micro", "pass e.g. num_micro=1")
+        self.min_micro = check_int(self.min_micro, call, "min_micro", low=1, example=1)
+        self.max_micro = check_int(self.max_micro, call, "max_micro", low=1, example=64)
+        self.num_micro = check_int(self.num_micro, call, "num_micro", low=1, example=1)
         if self.lr is None and self.rule == "cabs":
             raise ValueError(
                 message(
@@ -262,12 +266,8 @@ class AdaptiveBatchSize:
                 )
             )
         if self.lr is not None:
-            self.lr = positive_real(
-                self.lr,
-                call,
-                "lr",
-                "None or the (positive, finite) learning rate",
-                "pass lr=... (the optimizer's learning rate)",
+            self.lr = check_number(
+                self.lr, call, "lr", low=0, low_open=True, fix="pass the optimizer's learning rate"
             )
         if not self.min_micro <= self.max_micro:
             raise ValueError(

@@ -23,12 +23,17 @@ from torch import nn
 
 from gradkit._errors import GradkitError, message
 from gradkit._state import TensorState, named_state
-from gradkit._validate import is_batching_error
+from gradkit._validate import (
+    check_bool,
+    check_int,
+    check_number,
+    check_optional_int,
+    is_batching_error,
+)
 from gradkit.curvature._data import Data, LossFn, select_params
 from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
 from gradkit.curvature._vectors import FlatVectors
-from gradkit.func._checks import check_bool, check_float, check_int, check_optional_int
 
 __all__ = ["DENSE_MAX", "CurvatureOperator", "Layout", "Point"]
 
@@ -289,8 +294,8 @@ class CurvatureOperator(FlatVectors):
         """The matrix ``[P, P]``, ``chunk`` columns per product (for models up to ``max_size``
         parameters)."""
         n = self.shape[0]
-        max_size = check_int(max_size, f"{self._call}.dense()", "max_size", example=n)
-        chunk = check_int(chunk, f"{self._call}.dense()", "chunk", example=256)
+        max_size = check_int(max_size, f"{self._call}.dense()", "max_size", low=1, example=n)
+        chunk = check_int(chunk, f"{self._call}.dense()", "chunk", low=1, example=256)
         if n > max_size:
             raise GradkitError(
                 message(
@@ -335,7 +340,7 @@ class CurvatureOperator(FlatVectors):
 
         call = f"{self._call}.check_deterministic()"
         if rtol is not None:
-            rtol = check_float(rtol, call, "rtol", positive=True, example="1e-6")
+            rtol = check_number(rtol, call, "rtol", low=0, low_open=True, example="1e-6")
         tol = rtol if rtol is not None else 1e3 * tolerances(self.dtype)[0]
         self._check_params()
         g = torch.Generator(device="cpu").manual_seed(0)

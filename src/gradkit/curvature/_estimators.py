@@ -20,10 +20,9 @@ from typing import Any, NamedTuple
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_choice, check_int
 from gradkit.curvature._base import DENSE_MAX, CurvatureOperator
 from gradkit.curvature._diag import unit_diagonal
-from gradkit.func._checks import check_int
 
 __all__ = ["Estimate", "LinearOp", "diagonal", "label", "probe_generator", "trace"]
 
@@ -162,8 +161,8 @@ def _sketch(
 
 
 def exact_diagonal(op: Any, *, max_size: int, max_memory: int, call: str) -> torch.Tensor:
-    max_size = check_int(max_size, call, "max_size", example=DENSE_MAX)
-    max_memory = check_int(max_memory, call, "max_memory", example=_MAX_MEMORY)
+    max_size = check_int(max_size, call, "max_size", low=1, example=DENSE_MAX)
+    max_memory = check_int(max_memory, call, "max_memory", low=1, example=_MAX_MEMORY)
     if isinstance(op, torch.Tensor):
         return op.diagonal().clone()
     if isinstance(op, CurvatureOperator):

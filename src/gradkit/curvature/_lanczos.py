@@ -26,9 +26,8 @@ from typing import Any, Literal, overload
 import torch
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_bool, check_choice, check_int, check_number
 from gradkit.curvature._estimators import LinearOp, label, probe_generator
-from gradkit.func._checks import check_bool, check_float, check_int
 
 __all__ = ["SpectralDensity", "eigenvalues", "spectral_density"]
 
@@ -196,7 +195,7 @@ def eigenvalues(
     steps = min(steps, n)
     check_bool(return_vectors, call, "return_vectors")
     eps = torch.finfo(A.dtype).eps
-    rtol = math.sqrt(eps) if tol is None else check_float(tol, call, "tol", example="1e-6")
+    rtol = math.sqrt(eps) if tol is None else check_number(tol, call, "tol", low=0, example="1e-6")
     gen = probe_generator(generator, call)
     v0 = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device).to(A.device)
     residuals: list[float] = []
@@ -301,7 +300,7 @@ def spectral_density(
             )
             raise error(message(call, name, "a positive int", repr(value), "pass e.g. 10"))
     if width is not None:
-        width = check_float(width, call, "width", positive=True, example="0.01")
+        width = check_number(width, call, "width", low=0, low_open=True, example="0.01")
     if isinstance(grid, torch.Tensor):
         if grid.dim() != 1 or grid.numel() < 2 or not grid.is_floating_point():
             raise ValueError(
@@ -314,7 +313,7 @@ def spectral_density(
                 )
             )
     else:
-        grid = check_int(grid, call, "grid", minimum=2, example=1000)
+        grid = check_int(grid, call, "grid", low=2, example=1000)
     steps = min(steps, A.n)
     gen = probe_generator(generator, call)
     nodes = torch.zeros(probes, steps, dtype=torch.float64)

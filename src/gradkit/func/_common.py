@@ -15,7 +15,6 @@ from gradkit._errors import GradkitError, describe, message
 __all__ = [
     "MODES",
     "_as_tuple",
-    "_check_chunk",
     "_check_differentiable",
     "_check_like",
     "_check_scalar",
@@ -26,6 +25,7 @@ __all__ = [
     "_name",
     "_substitute",
     "_vjp",
+    "is_transformed",
 ]
 
 MODES = ("auto", "forward", "reverse")
@@ -88,21 +88,6 @@ def _vjp(f: Callable[..., Any], *primals: torch.Tensor) -> tuple[Any, Callable[.
     """``torch.func.vjp`` without auxiliary output: ``(f(*primals), vjp_fn)``."""
     res = torch.func.vjp(f, *primals)
     return res[0], res[1]
-
-
-def _check_chunk(chunk_size: Any, call: str) -> None:
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(
-            message(
-                call,
-                "chunk_size",
-                "None or a positive int",
-                repr(chunk_size),
-                "pass e.g. chunk_size=64",
-            )
-        )
 
 
 def _check_tensor_output(out: Any, call: str) -> torch.Tensor:
@@ -216,3 +201,10 @@ def _check_like(
                     f"convert it with .to({r.dtype})",
                 )
             )
+
+
+def is_transformed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` wrapper (inside ``vmap``/``grad``), whose values cannot
+    be read."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(t)) if check is not None else False

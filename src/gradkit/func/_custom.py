@@ -30,8 +30,8 @@ from typing import Any, ParamSpec, TypeVar, cast
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._validate import check_callable
 from gradkit.func._captures import CaptureCache, Recorder, label
-from gradkit.func._checks import check_callable
 
 __all__ = ["custom_gradient"]
 

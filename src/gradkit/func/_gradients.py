@@ -26,8 +26,13 @@ import torch
 from torch.autograd.graph import Node
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import as_tensor_list, check_choice, is_batching_error
-from gradkit.func._checks import check_bool, check_optional_int
+from gradkit._validate import (
+    as_tensor_list,
+    check_bool,
+    check_choice,
+    check_optional_int,
+    is_batching_error,
+)
 
 __all__ = ["AggregationMethod", "UnconnectedGradients", "gradients", "hessians"]
 

@@ -24,14 +24,20 @@ from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError, describe, message
 from gradkit._forward_ad import load_decompositions
 from gradkit._state import TensorState, graph_leaves
-from gradkit._validate import check_choice, is_batching_error
-from gradkit.func._checks import check_bool, check_callable, check_optional_int, is_transformed
+from gradkit._validate import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_optional_int,
+    is_batching_error,
+)
 from gradkit.func._common import (
     _as_tuple,
     _check_differentiable,
     _check_like,
     _check_scalar,
     _name,
+    is_transformed,
 )
 
 __all__ = ["HVPOperator", "hvp", "hvp_operator"]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError
-from gradkit.func._checks import is_transformed
+from gradkit.func._common import is_transformed
 
 __all__ = ["check_rows_independent"]
 

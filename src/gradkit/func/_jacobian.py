@@ -24,11 +24,15 @@ from torch.func import vmap
 
 from gradkit._errors import describe, message
 from gradkit._forward_ad import load_decompositions
-from gradkit._validate import check_choice, normalize_argnums
-from gradkit.func._checks import check_bool, check_callable
+from gradkit._validate import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_optional_int,
+    normalize_argnums,
+)
 from gradkit.func._common import (
     MODES,
-    _check_chunk,
     _check_differentiable,
     _check_tensor_output,
     _mutation_errors,
@@ -207,7 +211,7 @@ def jacobian(
     call = f"jacobian({_name(f)})"
     check_callable(f, call)
     check_choice(mode, MODES, call, "mode")
-    _check_chunk(chunk_size, call)
+    check_optional_int(chunk_size, call, "chunk_size")
     check_bool(vectorize, call, "vectorize")
     nums = normalize_argnums(argnums, len(args), call)
     _check_differentiable(args, nums, call)
@@ -299,7 +303,7 @@ def batch_jacobian(
     call = f"batch_jacobian({_name(f)})"
     check_callable(f, call)
     check_choice(mode, MODES, call, "mode")
-    _check_chunk(chunk_size, call)
+    check_optional_int(chunk_size, call, "chunk_size")
     check_bool(check_independence, call, "check_independence")
     _check_differentiable((x,), (0,), call, argnums=False)
     if x.dim() == 0 or x.shape[0] == 0:

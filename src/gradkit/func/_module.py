@@ -26,8 +26,7 @@ from torch import nn
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
 from gradkit._state import named_state
-from gradkit._validate import check_choice, check_module
-from gradkit.func._checks import check_bool, check_callable
+from gradkit._validate import check_bool, check_callable, check_choice, check_module
 from gradkit.func._common import _check_scalar
 from gradkit.func._hvp import HVPOperator
 from gradkit.func._jacobian import jacobian

@@ -16,11 +16,15 @@ import torch
 
 from gradkit._errors import describe, message
 from gradkit._forward_ad import load_decompositions
-from gradkit._validate import normalize_argnums
-from gradkit.func._checks import check_bool, check_callable, check_tensor
+from gradkit._validate import (
+    check_bool,
+    check_callable,
+    check_optional_int,
+    check_tensor,
+    normalize_argnums,
+)
 from gradkit.func._common import (
     _as_tuple,
-    _check_chunk,
     _check_differentiable,
     _check_like,
     _check_scalar,
@@ -266,7 +270,7 @@ def hessian(
     """
     call = f"hessian({_name(f)})"
     check_callable(f, call)
-    _check_chunk(chunk_size, call)
+    check_optional_int(chunk_size, call, "chunk_size")
     nums = normalize_argnums(argnums, len(args), call)
     _check_differentiable(args, nums, call)
     primals = [args[i] for i in nums]

@@ -17,14 +17,13 @@ marks it ``zero gradient``), as is the noise scale over parameters whose gradien
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_choice, check_int, check_number, check_optional_int
 from gradkit.per_example._stats import ParamStats
 
 __all__ = ["cabs_batch_size", "gradient_snr", "noise_scale", "summary_table"]
@@ -174,26 +173,15 @@ def cabs_batch_size(
         True
     """
     call = "cabs_batch_size(stats, lr, loss)"
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(
-            message(call, "lr", "a positive finite learning rate", describe(lr), "pass e.g. 0.1")
-        )
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
-        raise ValueError(
-            message(call, "min_size", "an int >= 1", describe(min_size), "pass e.g. min_size=1")
-        )
-    if max_size is not None and (
-        isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < min_size
-    ):
-        raise ValueError(
-            message(
-                call,
-                "max_size",
-                f"None or an int >= min_size ({min_size})",
-                describe(max_size),
-                "pass a larger max_size, or None",
-            )
-        )
+    check_number(lr, call, "lr", low=0, low_open=True, fix="pass the optimizer's learning rate")
+    min_size = check_int(min_size, call, "min_size", low=1)
+    max_size = check_optional_int(
+        max_size,
+        call,
+        "max_size",
+        low=min_size,
+        fix=f"pass max_size >= min_size ({min_size}), or None",
+    )
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
         raise ValueError(
             message(

@@ -40,7 +40,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
-from gradkit._errors import GradkitError, describe, message
+from gradkit._errors import GradkitError, message
+from gradkit._validate import check_int
 
 __all__ = [
     "CallLayout",
@@ -234,10 +235,7 @@ def parse_batch_dim(
     items = dict(batch_dim) if isinstance(batch_dim, Mapping) else {"": batch_dim}
     for name, dim in items.items():
         argument = "batch_dim" if not isinstance(batch_dim, Mapping) else f"batch_dim[{name!r}]"
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise (ValueError if isinstance(dim, int) else TypeError)(
-                message(call, argument, "a non-negative int", describe(dim), fix)
-            )
+        check_int(dim, call, argument, low=0, fix=fix)
         if name not in modules:
             known = [k for k in modules if k][:8]
             raise ValueError(

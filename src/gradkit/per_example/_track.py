@@ -46,8 +46,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice, check_module
+from gradkit._errors import GradkitError, message
+from gradkit._validate import check_bool, check_choice, check_int, check_module, check_optional_int
 from gradkit.per_example import _dist
 from gradkit.per_example._batch import (
     Call,
@@ -120,13 +120,6 @@ class _ModuleState:
     shared: bool = False
     forward_count: int = 0
     pending: list[tuple[_UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
-
-
-def _check_size(call: str, argument: str, value: Any, unit: str, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise (ValueError if isinstance(value, int) else TypeError)(
-            message(call, argument, f"a positive int ({unit})", describe(value), f"pass {fix}")
-        )
 
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
@@ -213,14 +206,12 @@ class Tracker(Mapping[str, ParamStats]):
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
         modules = dict(model.named_modules())
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
-        for arg, value in (("fuse", fuse), ("unbiased", unbiased)):
-            if not isinstance(value, bool):
-                raise TypeError(message(call, arg, "True or False", describe(value), "pass a bool"))
-        _check_size(call, "max_memory", max_memory, "bytes", "e.g. max_memory=2**28")
-        if chunk_size is not None:
-            _check_size(
-                call, "chunk_size", chunk_size, "examples", "e.g. chunk_size=64, or chunk_size=None"
-            )
+        check_bool(fuse, call, "fuse")
+        check_bool(unbiased, call, "unbiased")
+        check_int(max_memory, call, "max_memory", low=1, example="2**28 (bytes)")
+        check_optional_int(
+            chunk_size, call, "chunk_size", fix="pass e.g. chunk_size=64 (examples), or None"
+        )
         self._fuse = fuse
         self._batch_dim = batch_dim
         self._unbiased = unbiased
