@@ -29,7 +29,12 @@ from gradkit._validate import check_bool, check_choice
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import implicit
 from gradkit.hyper._online import OnlineTangents
-from gradkit.hyper._outer import check_projections, check_state_dict, only_for, outer_optimizer
+from gradkit.hyper._outer import (
+    check_method_options,
+    check_projections,
+    check_state_dict,
+    outer_optimizer,
+)
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
@@ -37,7 +42,7 @@ from gradkit.hyper._problem import (
     check_hyper,
     check_steps,
 )
-from gradkit.hyper._reverse import _stride, reverse, truncated
+from gradkit.hyper._reverse import reverse, truncated
 
 __all__ = ["HyperOptimizer", "HyperStep"]
 
@@ -46,7 +51,6 @@ logger = logging.getLogger(__name__)
 _CALL = "HyperOptimizer"
 _METHODS = ("reverse", "truncated", "forward", "rtho", "implicit")
 _FORMAT = "gradkit.hyper.HyperOptimizer/1"
-_IMPLICIT_OPTIONS = ("method", "tol", "maxiter", "alpha", "damping", "stationary_tol", "batch")
 
 
 class HyperStep(NamedTuple):
@@ -170,65 +174,10 @@ class HyperOptimizer:
         self.hyper: dict[str, torch.Tensor] = dict(zip(self.names, hypers, strict=True))
         # implicit may start at an optimum already (steps=0); the others train at least a step
         self.steps = check_steps(steps, _CALL, low=0 if method == "implicit" else 1)
-        only_for(checkpoint_every, "checkpoint_every", method, ("reverse", "truncated"))
-        _stride(checkpoint_every, self.steps, _CALL)
-        only_for(last, "last", method, ("truncated",))
-        only_for(implicit_options, "implicit_options", method, ("implicit",))
-        if method == "truncated":
-            if last is None:
-                raise ValueError(
-                    message(
-                        _CALL,
-                        "last",
-                        "the number of steps to back-propagate through (method='truncated')",
-                        "None",
-                        "pass e.g. last=10",
-                    )
-                )
-            last = check_steps(last, _CALL, "last", low=0)
-            if last > self.steps:
-                raise ValueError(
-                    message(
-                        _CALL,
-                        "last",
-                        f"an int in [0, steps={self.steps}]",
-                        repr(last),
-                        "lower last or raise steps",
-                    )
-                )
-        check_bool(warm_start, _CALL, "warm_start")
+        last = check_method_options(
+            method, self.steps, checkpoint_every, last, implicit_options, warm_start
+        )
         check_bool(record, _CALL, "record")
-        if warm_start and method == "rtho":
-            raise ValueError(
-                message(
-                    _CALL,
-                    "warm_start",
-                    "False for method='rtho' (its training never restarts)",
-                    "True",
-                    "drop warm_start",
-                )
-            )
-        if implicit_options is not None and not isinstance(implicit_options, Mapping):
-            raise TypeError(
-                message(
-                    _CALL,
-                    "implicit_options",
-                    "None or a dict of keyword arguments of implicit",
-                    describe(implicit_options),
-                    "pass e.g. implicit_options={'method': 'cg', 'damping': 1e-6}",
-                )
-            )
-        unknown = sorted(set(implicit_options or {}) - set(_IMPLICIT_OPTIONS))
-        if unknown:
-            raise TypeError(
-                message(
-                    _CALL,
-                    "implicit_options",
-                    f"keyword arguments of implicit ({', '.join(_IMPLICIT_OPTIONS)})",
-                    f"unknown {', '.join(map(repr, unknown))}",
-                    "check the option names",
-                )
-            )
         if callback is not None:
             check_callable(callback, _CALL, "callback", "(HyperStep) -> bool | None")
         self.inner_loss = inner_loss

@@ -11,7 +11,10 @@ from typing import Any
 import torch
 
 from gradkit._errors import describe, message
+from gradkit._validate import check_bool
+from gradkit.hyper._problem import check_last
 from gradkit.hyper._projections import projection
+from gradkit.hyper._reverse import checkpoint_stride
 
 __all__ = ["check_projections", "check_state_dict", "only_for", "outer_optimizer"]
 
@@ -116,6 +119,70 @@ def outer_optimizer(outer_opt: Any, hypers: list[torch.Tensor]) -> torch.optim.O
             "pass e.g. functools.partial(torch.optim.Adam, lr=0.01)",
         )
     )
+
+
+_IMPLICIT_OPTIONS = ("method", "tol", "maxiter", "alpha", "damping", "stationary_tol", "batch")
+
+
+def check_method_options(
+    method: str,
+    steps: int,
+    checkpoint_every: Any,
+    last: Any,
+    implicit_options: Any,
+    warm_start: Any,
+) -> int | None:
+    """Check the options of :class:`HyperOptimizer` that belong to one method each; returns
+    ``last`` as an int (``"truncated"``) or ``None``."""
+    only_for(checkpoint_every, "checkpoint_every", method, ("reverse", "truncated"))
+    checkpoint_stride(checkpoint_every, steps, _CALL)
+    only_for(last, "last", method, ("truncated",))
+    only_for(implicit_options, "implicit_options", method, ("implicit",))
+    if method == "truncated":
+        if last is None:
+            raise ValueError(
+                message(
+                    _CALL,
+                    "last",
+                    "the number of steps to back-propagate through (method='truncated')",
+                    "None",
+                    "pass e.g. last=10",
+                )
+            )
+        last = check_last(last, steps, _CALL)
+    check_bool(warm_start, _CALL, "warm_start")
+    if warm_start and method == "rtho":
+        raise ValueError(
+            message(
+                _CALL,
+                "warm_start",
+                "False for method='rtho' (its training never restarts)",
+                "True",
+                "drop warm_start",
+            )
+        )
+    if implicit_options is not None and not isinstance(implicit_options, Mapping):
+        raise TypeError(
+            message(
+                _CALL,
+                "implicit_options",
+                "None or a dict of keyword arguments of implicit",
+                describe(implicit_options),
+                "pass e.g. implicit_options={'method': 'cg', 'damping': 1e-6}",
+            )
+        )
+    unknown = sorted(set(implicit_options or {}) - set(_IMPLICIT_OPTIONS))
+    if unknown:
+        raise TypeError(
+            message(
+                _CALL,
+                "implicit_options",
+                f"keyword arguments of implicit ({', '.join(_IMPLICIT_OPTIONS)})",
+                f"unknown {', '.join(map(repr, unknown))}",
+                "check the option names",
+            )
+        )
+    return last
 
 
 def only_for(value: Any, argument: str, method: str, allowed: tuple[str, ...]) -> None:

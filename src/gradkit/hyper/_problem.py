@@ -17,8 +17,7 @@ import torch
 from gradkit._errors import describe, message
 from gradkit._tree import entries, leaves, rebuild, structure_of
 from gradkit._validate import check_int
-from gradkit.optim import Optimizer
-from gradkit.optim._flat import state_layout
+from gradkit.optim import Optimizer, state_layout
 
 __all__ = [
     "Batches",
@@ -150,6 +149,23 @@ def check_steps(steps: Any, call: str, argument: str = "steps", *, low: int = 1)
     ValueError below ``low``. Inner steps count from 1 (no step: nothing to differentiate
     through); ``low=0`` for counts that may be zero (``last``, ``iterations``)."""
     return check_int(steps, call, argument, low=low, example="100" if low >= 1 else "10")
+
+
+def check_last(last: Any, steps: int, call: str) -> int:
+    """``last`` (the steps a truncated hypergradient back-propagates through) as an int in
+    ``[0, steps]``."""
+    last = check_steps(last, call, "last", low=0)
+    if last > steps:
+        raise ValueError(
+            message(
+                call,
+                "last",
+                f"an int in [0, steps={steps}]",
+                repr(last),
+                "lower last or raise steps",
+            )
+        )
+    return last
 
 
 def check_scalar(value: Any, call: str, which: str) -> torch.Tensor:

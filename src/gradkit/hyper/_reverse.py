@@ -33,16 +33,17 @@ from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
     check_hyper,
+    check_last,
     check_steps,
     hyper_leaves,
     sum_paths,
     unused_error,
 )
 
-__all__ = ["reverse", "truncated"]
+__all__ = ["checkpoint_stride", "reverse", "truncated"]
 
 
-def _stride(checkpoint_every: Any, span: int, call: str) -> int:
+def checkpoint_stride(checkpoint_every: Any, span: int, call: str) -> int:
     if checkpoint_every is None:
         return 1
     if checkpoint_every == "sqrt":
@@ -67,24 +68,14 @@ def _engine(
     hyper: Any,
     batches: Any,
     checkpoint_every: Any,
-    last: int | None,
+    last: Any,
     full_output: Any,
 ) -> HyperResult:
     names, hypers = check_hyper(hyper, call)
     steps = check_steps(steps, call)
     check_bool(full_output, call, "full_output")
-    span = steps if last is None else last
-    if span > steps:
-        raise ValueError(
-            message(
-                call,
-                "last",
-                f"an int in [0, steps={steps}]",
-                repr(last),
-                "truncate to at most steps",
-            )
-        )
-    k = _stride(checkpoint_every, span, call)
+    span = steps if last is None else check_last(last, steps, call)
+    k = checkpoint_stride(checkpoint_every, span, call)
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
     start = steps - span
     rows = -(-span // k)
@@ -254,7 +245,6 @@ def truncated(
         tensor(0., dtype=torch.float64)
     """
     call = "truncated(inner_loss, outer_loss, params0, opt)"
-    last = check_steps(last, call, "last", low=0)
     res = _engine(
         call,
         inner_loss,
