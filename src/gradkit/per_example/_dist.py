@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gradkit._errors import GradkitError, message
 
 if TYPE_CHECKING:
-    from gradkit.per_example._stats import Want, _Acc
+    from gradkit.per_example._stats import PowerSums, Want
 
 
 def _gather_rows(
@@ -31,7 +31,7 @@ def _gather_rows(
     return [o[: int(s.item())] for o, s in zip(out, sizes, strict=True)]
 
 
-def all_reduce_accs(accs: list[_Acc], want: Want, group: Any) -> None:
+def all_reduce_accs(accs: list[PowerSums], want: Want, group: Any) -> None:
     """Sum counts and power sums over ranks; gather norms and individual gradients.
 
     Every rank makes the same collective calls whatever it saw (a rank without examples

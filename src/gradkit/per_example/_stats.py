@@ -7,7 +7,7 @@ For per-example gradients ``g_i`` (``i = 1..N`` over every example seen in the `
 times that with ``unbiased=True``), ``batch_l2[i] = ||g_i||**2``, ``batch_grad[i] = g_i``.
 Every quantity is a sum over examples, so passes (micro-batches, ranks) merge exactly. A pass of
 no example adds nothing; a parameter a pass's loss did not reach gets ``g_i = 0`` for each of
-its examples (:meth:`_Acc.add_zeros`), as the one-example-at-a-time loop gives it. Reading a
+its examples (:meth:`PowerSums.add_zeros`), as the one-example-at-a-time loop gives it. Reading a
 statistic of no example raises.
 """
 
@@ -22,7 +22,15 @@ import torch
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._grads import PerExampleGrad
 
-__all__ = ["QUANTITIES", "ParamStats", "Want", "parse_want"]
+__all__ = [
+    "QUANTITIES",
+    "ParamStats",
+    "PowerSums",
+    "Want",
+    "add_block",
+    "parse_want",
+    "statistics_dtype",
+]
 
 QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
 
@@ -104,7 +112,11 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass
-class _Acc:
+class PowerSums:
+    """One parameter's running statistics: the number of examples ``n``, the sums of
+    ``g_i**p`` per power ``p`` (``p = 1``: the mean's sum), and the per-example squared norms
+    and gradients when asked. Statistics are read from it by :class:`ParamStats`."""
+
     shape: torch.Size
     dtype: torch.dtype
     n: int = 0
@@ -141,7 +153,13 @@ class _Acc:
 
 
 def add_block(
-    acc: _Acc, pe: PerExampleGrad, scale: float, want: Want, *, mean_given: bool, chunk_size: int
+    acc: PowerSums,
+    pe: PerExampleGrad,
+    scale: float,
+    want: Want,
+    *,
+    mean_given: bool,
+    chunk_size: int,
 ) -> None:
     """Add one pass's per-example gradients ``scale * g_n`` to ``acc``.
 
@@ -202,7 +220,7 @@ class ParamStats:
     def __init__(
         self,
         name: str,
-        acc: _Acc,
+        acc: PowerSums,
         want: Want,
         unbiased: bool,
         *,

@@ -1,0 +1,239 @@
+"""What ``track`` captures in the forward pass: which modules it tracks with which rule, and
+for every call of a tracked module its inputs, layout and graph edges.
+
+:func:`tracked_modules` decides once per ``track()`` call, :class:`UseRecord` holds one module
+call until its backward is over (the tracker's hooks fill and read it, see :mod:`._track`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gradkit._errors import GradkitError, message
+from gradkit.per_example._batch import Call, Dims, ModelCall, disagree_error, mismatch_error
+from gradkit.per_example._edge_mean import EdgeMean, will_execute
+from gradkit.per_example._fused import WeightSum
+from gradkit.per_example._layout import check_loss_reduction
+from gradkit.per_example._registry import Use, find_rule
+from gradkit.per_example.rules import vmap_rule
+from gradkit.per_example.rules._thirdparty import unsplittable
+
+__all__ = [
+    "ModuleState",
+    "UseRecord",
+    "check_pass",
+    "check_still_trainable",
+    "in_backward",
+    "model_call",
+    "refuse_batchnorm",
+    "rule_view",
+    "tracked_modules",
+]
+
+
+@dataclass
+class UseRecord:
+    """One call of a tracked module, from its forward until its backward is over."""
+
+    call: Call
+    sums: WeightSum | None  # the weight gradient summed from the statistics' blocks
+    mean: EdgeMean  # the edges into its parameters, where the mean is read
+    recomputed: bool = False  # a forward run inside a backward (activation checkpointing)
+    label: str = ""  # "name (Class)" of the module
+    nodes: list[Node] = field(default_factory=list)  # the graph nodes of its outputs
+
+    def release_graph(self) -> None:
+        """Drop the references to graph nodes once this backward has read them. The record
+        lives in hooks on the graph's own nodes, so a node kept here would make a cycle
+        through C++ that Python's garbage collector cannot see (the tracker, its results and
+        the inputs would leak). A later backward through a retained graph then takes the mean
+        from the rule's output instead of the edges."""
+        self.mean.release()
+        self.nodes = []
+        self.call.output = None  # an expanded output holds the hook that holds this record
+        self.sums = None
+
+    def release(self) -> None:
+        """Drop everything (the tracker is closed)."""
+        self.release_graph()
+        self.call.args, self.call.kwargs = (), {}
+
+
+@dataclass
+class ModuleState:
+    """A tracked module: its rule, its own parameters and the uses awaiting processing."""
+
+    name: str
+    module: nn.Module
+    rule: Any
+    params: dict[str, torch.Tensor]  # local name -> parameter
+    pids: dict[str, int]  # local name -> id(parameter)
+    batch_dim: int  # of its inputs and outputs (see inner_batch_dims)
+    transposed: bool | None = None  # a weight whose gradient LinearWithSums may sum (layout)
+    shared: bool = False  # a parameter of it is also another tracked module's
+    forward_count: int = 0
+    pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name or 'model'} ({type(self.module).__name__})"
+
+
+def check_pass(records: Sequence[UseRecord], loss_reduction: str) -> None:
+    """Refuse a backward pass that would give wrong statistics: one that differentiates a
+    layer split into another number of examples, or layers that disagree on ``N``, or a loss
+    that certainly contradicts ``loss_reduction``. Called at the pass's first tracked output,
+    before the gradient reaches any tracked parameter (a refused pass leaves ``p.grad`` as it
+    was)."""
+    live: list[UseRecord] = []
+    for r in records:
+        try:
+            if any(will_execute(node) for node in r.nodes):
+                live.append(r)
+        except RuntimeError:
+            pass
+    mismatched = [r for r in live if r.call.mode == "mismatch"]
+    if mismatched:
+        raise mismatch_error([f"{r.label} {r.call.problem}" for r in mismatched])
+    sizes = [(r.label, r.call.n) for r in live]
+    if len({k for _, k in sizes}) > 1:
+        raise disagree_error(sizes)
+    n = sizes[0][1] if sizes else None
+    check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes})
+
+
+def check_still_trainable(st: ModuleState) -> None:
+    """Refuse a call of a module whose parameter was frozen after ``track()`` (its
+    statistics would silently stop)."""
+    frozen = [k for k, p in st.params.items() if not p.requires_grad]
+    if frozen:
+        name = f"{st.name}.{frozen[0]}" if st.name else frozen[0]
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                f"parameter {name!r}",
+                "requires_grad=True, as when track() was called",
+                "requires_grad=False (frozen after track() was called)",
+                "freeze parameters before calling track() (frozen ones are skipped)",
+            )
+        )
+
+
+def tracked_modules(
+    modules: Mapping[str, nn.Module], dims: Mapping[str, int], fallback: str, call: str
+) -> list[ModuleState]:
+    """Every module with parameters of its own that require grad, with its rule: a registered
+    one, else the vmap fallback on its whole subtree (``fallback="error"`` refuses, ``"warn"``
+    warns). A layer that cannot be split by example raises."""
+    states: list[ModuleState] = []
+    owners: dict[int, int] = {}  # id(parameter) -> tracked modules holding it
+    claimed: list[str] = []  # subtrees a fallback module differentiates as a whole
+    for name, module in modules.items():
+        if any(c == "" or name == c or name.startswith(c + ".") for c in claimed):
+            continue
+        own: dict[str, torch.Tensor]
+        own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not own:
+            continue
+        parent = modules[name.rpartition(".")[0]] if name else None
+        why = unsplittable(parent, module)
+        if why is not None:
+            raise GradkitError(
+                message(
+                    call,
+                    "model",
+                    "layers whose gradients can be split by example",
+                    f"{name} ({type(module).__name__}): {why}",
+                    f"freeze it ({name}.requires_grad_(False)) to track the rest",
+                )
+            )
+        rule = find_rule(module)
+        if rule is None:
+            # the fallback takes the whole subtree: a module may use its children's
+            # parameters without calling them (MultiheadAttention and out_proj)
+            own = {n: p for n, p in module.named_parameters() if p.requires_grad}
+            claimed.append(name)
+            if fallback == "error":
+                raise GradkitError(
+                    message(
+                        call,
+                        "fallback",
+                        "a rule for every tracked module",
+                        f"none for {name or 'model'} ({type(module).__name__})",
+                        "register one with "
+                        "@gradkit.per_example.register_rule, or pass "
+                        "fallback='vmap'",
+                    )
+                )
+            if fallback == "warn":
+                warnings.warn(
+                    f"per_example.track: no rule for {name or 'model'} "
+                    f"({type(module).__name__}); using the vmap fallback "
+                    "(exact, slower, needs a deterministic forward)",
+                    stacklevel=4,  # track()'s caller
+                )
+            rule = vmap_rule
+        pids = {n: id(p) for n, p in own.items()}
+        transposed = getattr(rule, "weight_layout_transposed", None)
+        if own.get("weight") is not getattr(module, "weight", None):
+            transposed = None  # a parametrized weight: autograd's own product
+        states.append(ModuleState(name, module, rule, own, pids, dims[name], transposed))
+        for pid in pids.values():
+            owners[pid] = owners.get(pid, 0) + 1
+    for st in states:
+        st.shared = any(owners[pid] > 1 for pid in st.pids.values())
+    return states
+
+
+def model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) -> ModelCall:
+    """The candidate number of examples of a model call: the batch dimension of its first
+    input that has one (a PackedSequence: its first batch size)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, PackedSequence):
+            return ModelCall(int(value.batch_sizes[0]), None)
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
+                shape = t.shape[:batch_dim] + t.shape[batch_dim + 1 :]
+                return ModelCall(int(t.shape[batch_dim]), tuple(shape), first=t, dim=batch_dim)
+    return ModelCall(None, None)
+
+
+def rule_view(call: Call, grads: list[torch.Tensor | None], native: bool) -> Use:
+    """The rule's view of one call: batch-first tensors for rules, the call as the module saw
+    it (with its dims) for the fallback."""
+    if native:
+        return Use(call.args, grads, call.kwargs, Dims(call.in_dims, call.out_dims, call.added))
+    return Use(call.args, tree_unflatten(grads, call.out_spec), call.kwargs)
+
+
+def in_backward() -> bool:
+    """Whether a backward pass is running (a forward inside it re-computes activations)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and int(task()) != -1
+
+
+def refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook: BatchNorm in training mode mixes the examples."""
+    if module.training:
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                "model",
+                "layers that treat examples independently",
+                f"{type(module).__name__} in training mode, which normalizes with statistics of "
+                "the whole batch (each example's loss depends on every other example, and "
+                "individual gradients are not defined)",
+                "call model.eval() on it (running statistics), or convert the model with "
+                "gradkit.per_example.replace_batchnorm(model) (GroupNorm instead: a change of "
+                "the model, to be trained as such)",
+            )
+        )

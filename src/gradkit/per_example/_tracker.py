@@ -1,0 +1,549 @@
+"""The :class:`Tracker` of a ``track`` block: its hooks and how they turn output gradients into
+statistics inside the usual backward pass.
+
+How it works, once per tracked module (a module with parameters of its own that require grad):
+
+1. A forward hook keeps the module's inputs and installs a tensor hook on its output (tensor
+   hooks see the gradient w.r.t. the output even when an in-place activation follows, where
+   ``register_full_backward_hook`` breaks). It also finds, in the graph the forward just built,
+   the edges through which the gradient reaches each parameter, and hooks them: the sum of the
+   individual gradients of this pass (the mean) is read there, for free and exactly, without
+   any term the loss adds outside the module (a weight-decay term, say).
+2. When the output gradient arrives, the layer's rule (looked up along the MRO) turns inputs and
+   output gradients into per-example gradients in factored or materialized form, and the
+   requested statistics are accumulated. A module used several times in one forward (weight
+   tying, recurrence) is processed once all its uses arrived, so its contributions are summed
+   per example before any power is taken.
+3. At the end of the backward pass (an engine callback) whatever is still pending is processed,
+   and every tracked parameter the loss did not reach gets a zero gradient for each of the
+   pass's examples (as one example at a time would give it).
+
+At the first tracked output a backward pass reaches, before the gradient reaches any tracked
+parameter (so a refused pass leaves ``p.grad`` as it was), the pass is checked: no layer it
+will differentiate was split into another number of examples, all agree on ``N``, and the loss
+does not certainly contradict ``loss_reduction`` (:func:`._layout.loss_reductions`).
+
+Nothing is set on the model; ``p.grad`` is what it would be without tracking (bit-for-bit,
+except the weights of Linear layers on sequences, summed from their per-example gradients: see
+``fuse``). The hooks are removed on exit, also when the body raises; captured activations live
+in the graph's hook closures and are freed with the graph.
+
+Where each hook of :class:`Tracker` fires and what it may change:
+
+======================  ===========================  ===================================
+hook                     fires                        changes
+======================  ===========================  ===================================
+``_model_pre_hook``      before each model call       pushes a :class:`ModelCall`
+``_forward_hook``        after each tracked module    appends a :class:`UseRecord`;
+                         call (not inside a rule)     ``forward_count``; may replace the
+                                                      output (fused Linear, a broadcast
+                                                      output given the batch dimension)
+``_model_hook``          after each model call        pops the model call; counts calls
+                                                      awaiting a backward
+``_on_output_grad``      the output gradient of a     checks the pass once
+                         use arrives                  (``_start_backward``); queues the use
+                                                      in ``pending``; runs the rule once
+                                                      all uses arrived (``_process``)
+``_edge_hook``           the gradient into a          the mean's sum (via :class:`EdgeMean`)
+                         parameter's edge arrives
+``_finalize``            end of each backward pass    processes what is pending, sums the
+                         (engine callback)            uses of shared parameters, adds zeros
+                                                      for parameters not reached, releases
+                                                      the records' graph references
+======================  ===========================  ===================================
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten
+
+from gradkit._errors import GradkitError, message
+from gradkit._validate import check_bool, check_choice, check_int, check_module, check_optional_int
+from gradkit.per_example._batch import (
+    ModelCall,
+    check_broadcast_consumers,
+    disagree_error,
+    mismatch_error,
+    split_call,
+)
+from gradkit.per_example._capture import (
+    ModuleState,
+    UseRecord,
+    check_pass,
+    check_still_trainable,
+    in_backward,
+    model_call,
+    refuse_batchnorm,
+    rule_view,
+    tracked_modules,
+)
+from gradkit.per_example._edge_mean import EdgeMean
+from gradkit.per_example._fused import LinearWithSums, WeightSum
+from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._layout import (
+    call_layout,
+    check_feature_dims,
+    inner_batch_dims,
+    parse_batch_dim,
+)
+from gradkit.per_example._registry import CheckedUses, RuleContext, builtin
+from gradkit.per_example._results import TrackerResults
+from gradkit.per_example._stats import PowerSums, add_block, parse_want, statistics_dtype
+from gradkit.per_example._sum import combine
+from gradkit.per_example.rules import vmap_rule
+from gradkit.per_example.rules._thirdparty import register_available
+
+__all__ = ["Tracker"]
+
+
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
+"""The tracker of every module hooked by an active track block."""
+
+
+class Tracker(TrackerResults):
+    """The statistics of one ``track`` block: a mapping from parameter name to
+    :class:`ParamStats`, plus totals over parameters. Created by :func:`track`.
+
+    The capturing half lives here (the module docstring says where each hook fires and
+    what it may change), the reading half in :class:`._results.TrackerResults`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        quantities: Sequence[str],
+        *,
+        moments: Sequence[int],
+        loss_reduction: str,
+        batch_dim: int | Mapping[str, int],
+        fallback: str,
+        unbiased: bool,
+        max_memory: int,
+        chunk_size: int | None,
+        fuse: bool = True,
+    ) -> None:
+        call = "per_example.track(model, ...)"
+        check_module(model, call, "pass the model whose parameters to track")
+        self._want = parse_want(quantities, moments, call)
+        self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
+        check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
+        modules = dict(model.named_modules())
+        batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
+        check_bool(fuse, call, "fuse")
+        check_bool(unbiased, call, "unbiased")
+        check_int(max_memory, call, "max_memory", low=1, example="2**28 (bytes)")
+        check_optional_int(
+            chunk_size, call, "chunk_size", fix="pass e.g. chunk_size=64 (examples), or None"
+        )
+        self._fuse = fuse
+        self._batch_dim = batch_dim
+        self._unbiased = unbiased
+        self._max_memory = max_memory
+        self._chunk_size = chunk_size
+        self._model = model
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._params = {id(p): p for p in model.parameters()}
+        self._accs: dict[int, PowerSums] = {}
+        register_available()  # rules for third-party layers whose library the user imported
+        dims = inner_batch_dims(modules, batch_dim, given_dims)
+        self._states = tracked_modules(modules, dims, fallback, call)
+        for st in self._states:
+            for pid in st.pids.values():
+                param = self._params[pid]
+                self._accs.setdefault(pid, PowerSums(param.shape, statistics_dtype(param.dtype)))
+        if not self._accs:
+            total = sum(1 for _ in model.parameters())
+            raise ValueError(
+                message(
+                    call,
+                    "model",
+                    "a module with parameters that require grad",
+                    f"{type(model).__name__} with {total} parameter(s), none requiring grad",
+                    "unfreeze the parameters to track (p.requires_grad_(True))",
+                )
+            )
+        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        self._handles: list[Any] = []
+        self._active = False
+        self._callback_queued = False
+        self._in_rule = False
+        self._records: list[UseRecord] = []  # uses whose graph references are still held
+        self._done: list[UseRecord] = []  # uses processed in the current backward
+        self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
+        self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
+        self._reached: set[int] = set()  # parameters reached in the current backward
+        self._task: int | None = None  # the backward pass whose start was checked
+        self._unbackwarded = 0  # model calls since the last backward pass
+        self._merged = False  # all_reduce was called
+        self._model_calls: list[ModelCall] = []  # the model calls under way
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> Tracker:
+        call = "per_example.track(model, ...)"
+        if self._active:
+            raise GradkitError(
+                message(
+                    call,
+                    "the track block",
+                    "a tracker entered once at a time",
+                    "a second `with` on a tracker that is already active",
+                    "use the active tracker, or create another one after this block",
+                )
+            )
+        for st in self._states:
+            other = _ACTIVE.get(st.module)
+            if other is not None:
+                raise GradkitError(
+                    message(
+                        call,
+                        "model",
+                        "modules that no other active track block tracks",
+                        f"{st.name or 'model'} ({type(st.module).__name__}), already tracked by "
+                        f"an enclosing track block",
+                        "ask for every quantity in one track(model, ...) call (blocks on the "
+                        "same modules cannot nest)",
+                    )
+                )
+        for pid, acc in self._accs.items():
+            if acc.n == 0:  # the model may have been cast since track() was called
+                param = self._params[pid]
+                acc.shape, acc.dtype = param.shape, statistics_dtype(param.dtype)
+        self._active = True
+        for st in self._states:
+            _ACTIVE[st.module] = self
+        try:
+            for st in self._states:
+                self._handles.append(
+                    st.module.register_forward_hook(self._forward_hook(st), with_kwargs=True)
+                )
+            self._handles.append(
+                self._model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)
+            )
+            self._handles.append(
+                self._model.register_forward_hook(
+                    self._model_hook, with_kwargs=True, always_call=True
+                )
+            )
+            for module in self._model.modules():
+                if isinstance(module, _BatchNorm):
+                    self._handles.append(module.register_forward_pre_hook(refuse_batchnorm))
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for st in self._states:
+            if _ACTIVE.get(st.module) is self:
+                del _ACTIVE[st.module]
+        self._active = False
+        self._unbackwarded = 0
+        self._reached.clear()
+        self._model_calls.clear()
+        self._sizes.clear()
+        for st in self._states:
+            st.pending.clear()
+            st.forward_count = 0
+        for record in self._records:  # uses never backwarded: break their graph cycles
+            record.release()
+        self._records.clear()
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def _model_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._model_calls.append(model_call(args, kwargs, self._batch_dim))
+
+    def _model_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        model_call = self._model_calls.pop() if self._model_calls else None
+        n = model_call.n if model_call is not None else None
+        failed = sys.exc_info()[1]
+        if model_call is not None and failed is None:
+            check_broadcast_consumers(output, model_call)
+            if model_call.uses and not in_backward():
+                self._unbackwarded += 1
+        reshaped = [
+            label for call, _, _, label in (model_call.expanded if model_call else [])
+            if call.mode == "unbatched"
+        ]  # fmt: skip
+        if failed is not None and reshaped and hasattr(failed, "add_note"):
+            failed.add_note(
+                "per_example.track gave these modules a batch dimension of "
+                f"{n} examples because their outputs had none: "
+                + ", ".join(reshaped)
+                + ". A model that does not broadcast such an output over the batch cannot be "
+                "split by example there: freeze its parameters (requires_grad_(False)) or "
+                "give its inputs the batch dimension"
+            )
+
+    def _forward_hook(self, st: ModuleState) -> Any:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> Any:
+            leaves = tree_flatten(output)[0]
+            live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self._in_rule or not live:
+                return None  # a rule re-running the forward (vmap fallback), or no backward
+            check_still_trainable(st)
+            layout = call_layout(module, args, kwargs, output, st.batch_dim)
+            check_feature_dims(st.name, module, args, layout, st.batch_dim)
+            if self._model_calls:
+                self._model_calls[-1].uses += 1
+            call = split_call(
+                args,
+                kwargs,
+                output,
+                layout,
+                model=self._model_calls[-1] if self._model_calls else None,
+                batch_dim=st.batch_dim,
+                batch_first=st.rule is not vmap_rule,
+                leading_dims=getattr(st.rule, "leading_dims", False),
+            )
+            replacement = call.output
+            if call.mode == "batched" and self._fusable(st, args, output):
+                sums = WeightSum()
+                replacement = LinearWithSums.apply(
+                    args[0], module.weight, module.bias, output.detach(), sums, st.transposed
+                )
+            else:
+                sums = None
+            if replacement is not None:
+                if call.mode in ("broadcast", "unbatched"):
+                    for old, new, d in zip(
+                        tree_flatten(output)[0],
+                        tree_flatten(replacement)[0],
+                        call.out_dims,
+                        strict=True,
+                    ):
+                        if new is not old and isinstance(new, torch.Tensor) and d is not None:
+                            expanded = (call, new.grad_fn, d, st.label)
+                            self._model_calls[-1].expanded.append(expanded)
+                output = replacement
+                leaves = tree_flatten(output)[0]
+                live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if call.mode == "merged" and isinstance(output, torch.Tensor):
+                self._model_calls[-1].merged[output.grad_fn] = call.positions
+            params = {st.pids[k]: p for k, p in st.params.items()}
+            mean = EdgeMean.find(params, (args, kwargs), live) if self._want.mean else EdgeMean()
+            record = UseRecord(
+                call,
+                sums,
+                mean,
+                recomputed=in_backward(),
+                label=st.label,
+                nodes=[t.grad_fn for t in live if t.grad_fn is not None],
+            )
+            self._records.append(record)
+            st.forward_count += 1
+            if isinstance(output, torch.Tensor):
+                output.register_hook(lambda g: self._on_output_grad(st, record, [g]))
+            else:  # several outputs (e.g. an RNN's output and state): all their gradients at once
+                ids = [id(t) for t in live]
+
+                def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
+                    by_id = dict(zip(ids, grads, strict=True))
+                    self._on_output_grad(st, record, [by_id.get(id(t)) for t in leaves])
+
+                torch.autograd.graph.register_multi_grad_hook(live, on_grads, mode="all")
+            for node, ks in mean.by_node().items():  # read the mean there
+                node.register_hook(self._edge_hook(record, ks))
+            return replacement
+
+        return hook
+
+    def _fusable(self, st: ModuleState, args: tuple[Any, ...], output: Any) -> bool:
+        """Whether this call's weight gradient can be summed from the per-example gradients
+        the statistics will materialize (a Linear on sequences, see :mod:`._fused`)."""
+        if not self._fuse or st.transposed is None or st.shared or st.batch_dim != 0:
+            return False
+        if not (self._want.powers or "batch_grad" in self._want.quantities):
+            return False
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            return False
+        positions = x.numel() // max(1, x.shape[0] * x.shape[-1]) if x.dim() >= 2 else 0
+        return positions > 1 and output.requires_grad and torch.is_grad_enabled()
+
+    def _scale(self, n: int) -> float:
+        return float(n) if self._loss_reduction == "mean" else 1.0
+
+    def _edge_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> None:
+            if not self._active:
+                return
+            scale = self._scale(record.call.n)
+            for k, pid in ks:
+                g = grad_inputs[k]
+                if g is not None:
+                    now = record.mean.on_edge(pid, g, scale)
+                    if now is not None:
+                        self._accs[pid].add_sum(1, now, alpha=scale)
+
+        return hook
+
+    def _on_output_grad(
+        self, st: ModuleState, record: UseRecord, grads: list[torch.Tensor | None]
+    ) -> None:
+        if not self._active:
+            return
+        self._start_backward()
+        call = record.call
+        if call.mode == "mismatch" and any(g is not None for g in grads):
+            raise mismatch_error([f"{record.label} {call.problem}"])
+        leaves: list[Any] = []
+        for g, d, added in zip(grads, call.out_dims, call.added, strict=True):
+            if g is not None:
+                g = g.detach()
+                if call.positions > 1:  # [N * T, ...] -> [N, T, ...]
+                    g = g.reshape(call.n, call.positions, *g.shape[1:])
+                elif call.in_dims or added or d is None or d == 0:  # the fallback: as it is
+                    pass
+                else:
+                    g = g.movedim(d, 0)
+            leaves.append(g)
+        st.pending.append((record, leaves))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not st.shared and len(st.pending) == st.forward_count:
+            self._process(st)
+
+    # -- checks at the start of a backward pass, before any gradient is accumulated -------------
+
+    def _start_backward(self) -> None:
+        """Once per backward pass, at the first tracked output it reaches (before the gradient
+        reaches any tracked parameter, so a refused pass leaves every ``p.grad`` as it was):
+        refuse what would give wrong statistics."""
+        task_id = getattr(torch._C, "_current_graph_task_id", None)
+        task = int(task_id()) if task_id is not None else None
+        if task is not None and task == self._task:
+            return
+        self._task = task
+        if self._merged:
+            raise GradkitError(
+                message(
+                    "per_example.track(model, ...)",
+                    "stats.all_reduce(group)",
+                    "no further backward pass into statistics already merged across ranks",
+                    "a backward pass after all_reduce",
+                    "start a new track block for the next step",
+                )
+            )
+        check_pass(self._records, self._loss_reduction)
+
+    # -- processing ----------------------------------------------------------------------------
+
+    def _process(self, st: ModuleState) -> None:
+        pending, st.pending = st.pending, []
+        ns = {r.call.n for r, _ in pending}
+        if len(ns) != 1:
+            raise disagree_error([(st.label, k) for k in sorted(ns)])
+        n = ns.pop()
+        self._sizes[st.name or "model"] = n
+        self._done.extend(r for r, _ in pending)
+        self._reached.update(st.pids.values())
+        if n == 0:  # a batch of no example: nothing to add (its edges carry empty sums)
+            for r, _ in pending:
+                for pid in st.pids.values():
+                    r.mean.settle(pid, False)
+            return
+        uses = [rule_view(r.call, g, st.rule is vmap_rule) for r, g in pending]
+        if len(uses) > 1 and not builtin(st.rule):
+            uses = CheckedUses(uses)  # a user's rule must read every use
+        self._in_rule = True
+        try:
+            pes = st.rule(st.module, uses, RuleContext(st.params))
+        finally:
+            self._in_rule = False
+        if isinstance(uses, CheckedUses):
+            uses.check(st.rule, st.label)
+        record = pending[0][0]
+        if len(pending) == 1 and record.sums is not None and "weight" in pes:
+            pes["weight"].on_block = record.sums.add  # the layer's backward sums them
+        for local, p in st.params.items():
+            pid = st.pids[local]
+            pe = pes.get(local)
+            if pe is None or pe.num_examples != n or tuple(pe.shape) != tuple(p.shape):
+                got = "nothing" if pe is None else f"{pe.num_examples} x {tuple(pe.shape)}"
+                raise GradkitError(
+                    message(
+                        f"per_example.track: the rule {st.rule.__name__}",
+                        f"its result for {self._names[pid]!r}",
+                        f"per-example gradients {n} x {tuple(p.shape)}",
+                        got,
+                        "fix the rule (check it against gradkit.testing.per_example_grads)",
+                    )
+                )
+            mean_given = True
+            if self._want.mean:
+                # all uses read at the edges, or none (the rule's output then gives the sum)
+                mean_given = all([r.mean.readable(pid) for r, _ in pending])
+                for r, _ in pending:
+                    buffered = r.mean.settle(pid, mean_given)
+                    if buffered is not None:
+                        self._accs[pid].add_sum(1, buffered)
+            if st.shared:
+                self._deferred.setdefault(pid, []).append((pe, mean_given, self._scale(n)))
+            else:
+                self._add(pid, pe, mean_given, self._scale(n))
+
+    def _add(self, pid: int, pe: PerExampleGrad, mean_given: bool, scale: float) -> None:
+        acc = self._accs[pid]
+        if self._chunk_size is not None:
+            chunk = self._chunk_size
+        else:
+            per_example = max(1, pe.shape.numel()) * 4 * 4  # block, cast, power, temporaries
+            chunk = max(1, self._max_memory // per_example)
+        add_block(acc, pe, scale, self._want, mean_given=mean_given, chunk_size=chunk)
+
+    def _finalize(self) -> None:
+        self._callback_queued = False
+        if not self._active:
+            return
+        for st in self._states:
+            if st.pending:
+                self._process(st)
+            st.forward_count = 0
+        deferred, self._deferred = self._deferred, {}
+        done, self._done = {id(r) for r in self._done}, []
+        sizes, self._sizes = self._sizes, {}
+        reached, self._reached = self._reached, set()
+        self._unbackwarded = 0
+        if len(set(sizes.values())) > 1:
+            raise disagree_error(list(sizes.items()))
+        for record in self._records:
+            if id(record) in done:
+                record.release_graph()
+            elif record.recomputed:  # non-reentrant checkpointing: its gradient went elsewhere
+                record.release()
+        self._records = [r for r in self._records if id(r) not in done and not r.recomputed]
+        for pid, parts in deferred.items():
+            pe = parts[0][0] if len(parts) == 1 else combine([p for p, _, _ in parts])
+            given = all(g for _, g, _ in parts)
+            self._add(pid, pe, given, parts[0][2])
+        n = next(iter(sizes.values()), 0)
+        for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
+            if pid not in reached:
+                acc.add_zeros(n, self._want)
+
+    # -- results -------------------------------------------------------------------------------
