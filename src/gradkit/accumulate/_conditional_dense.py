@@ -161,16 +161,7 @@ class ConditionalAccumulator(Configured):
     """
 
     _NAME = "ConditionalAccumulator"
-
-    def __init__(
-        self,
-        shape: Any = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        reduction: str = "mean",
-    ) -> None:
-        super().__init__(shape, dtype, device, reduction)
-        self._sum: torch.Tensor | None = None
+    _sum: torch.Tensor | None = None  # the window's sum (None: empty)
 
     # ---- apply / take
     def apply_grad(self, grad: torch.Tensor, local_step: Any = MISSING) -> bool:

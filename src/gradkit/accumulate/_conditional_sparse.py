@@ -128,18 +128,11 @@ class SparseConditionalAccumulator(Configured):
     _NAME = "SparseConditionalAccumulator"
     _REDUCTIONS = ("mean", "row_mean", "sum")
 
-    def __init__(
-        self,
-        shape: Any = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        reduction: str = "mean",
-    ) -> None:
-        super().__init__(shape, dtype, device, reduction)
-        self._indices: torch.Tensor | None = None  # [m] int64, sorted, unique
-        self._values: torch.Tensor | None = None  # [m, *]
-        self._counts: torch.Tensor | None = None  # [m] int64: gradients that had each row
-        self._rows_hint: int | None = None  # largest dense_shape[0] seen in this window
+    # the window's rows (None: empty)
+    _indices: torch.Tensor | None = None  # [m] int64, sorted, unique
+    _values: torch.Tensor | None = None  # [m, *]
+    _counts: torch.Tensor | None = None  # [m] int64: gradients that had each row
+    _rows_hint: int | None = None  # largest dense_shape[0] seen in this window
 
     # ---- apply
     def apply_indexed_slices_grad(
