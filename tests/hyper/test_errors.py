@@ -113,12 +113,12 @@ def call(**overrides):
         (
             {"outer_loss": None},
             TypeError,
-            REV + r"outer_loss: expected a function params -> scalar, got None",
+            REV + r"outer_loss: expected a callable \(a function params -> scalar\), got None",
         ),
         (
             {"inner_loss": "loss"},
             TypeError,
-            REV + r"inner_loss: expected a function \(params, batch\) -> scalar",
+            REV + r"inner_loss: expected a callable \(a function \(params, batch\) -> scalar\)",
         ),
         ({"steps": -1}, ValueError, REV + r"steps: expected an int >= 1, got -1"),
         ({"steps": 0}, ValueError, REV + r"steps: expected an int >= 1, got 0; pass e.g. steps="),

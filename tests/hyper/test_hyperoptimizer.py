@@ -347,7 +347,7 @@ def _kwargs(**over):
         ({"projections": ["box"]}, TypeError, r"projections: expected None or a dict"),
         ({"outer_opt": "adam"}, TypeError, r"outer_opt: expected None \(Adam, lr 1e-3\)"),
         ({"outer_opt": lambda ps: 3}, TypeError, r"outer_opt: expected a factory"),
-        ({"callback": 3}, TypeError, r"callback: expected a function"),
+        ({"callback": 3}, TypeError, r"callback: expected a callable \(a function"),
         ({"record": 1}, TypeError, r"record: expected a bool"),
     ],
 )

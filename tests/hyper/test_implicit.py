@@ -143,7 +143,9 @@ def test_implicit_errors():
         ValueError, match=r"inner_loss: expected a loss whose gradient depends on params_star"
     ):
         hyper.implicit(lambda p, b: h["l2"] @ p["w"], outer, w_star, h)
-    with pytest.raises(TypeError, match=r"outer_loss: expected a function params -> scalar"):
+    with pytest.raises(
+        TypeError, match=r"outer_loss: expected a callable \(a function params -> scalar\)"
+    ):
         hyper.implicit(inner, 3.0, w_star, h)
 
 
@@ -166,7 +168,11 @@ CALL = r"implicit\(inner_loss, outer_loss, params_star, hyper\): "
             ValueError,
             CALL + r"alpha: expected a finite number > 0, got 0.0",
         ),
-        ({"alpha": torch.tensor(0.1)}, TypeError, CALL + r"alpha: expected a .*number.*, got Tensor"),
+        (
+            {"alpha": torch.tensor(0.1)},
+            TypeError,
+            CALL + r"alpha: expected a .*number.*, got Tensor",
+        ),
         ({"stationary_tol": -1.0}, ValueError, CALL + r"stationary_tol: expected a number >= 0"),
         ({"full_output": 1}, TypeError, CALL + r"full_output: expected a bool, got 1"),
         (

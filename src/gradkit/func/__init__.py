@@ -17,11 +17,10 @@ from gradkit.func._hvp import HVPOperator, hvp, hvp_operator
 from gradkit.func._module import (
     module_grad,
     module_hessian,
-    module_hvp,
-    module_hvp_operator,
     module_jacobian,
     module_value_and_grad,
 )
+from gradkit.func._module_hvp import module_hvp, module_hvp_operator
 from gradkit.func._transforms import (
     batch_jacobian,
     grad,

@@ -10,22 +10,20 @@ Conventions shared by every helper:
   the helpers themselves;
 * nothing is written to ``.grad`` or to the model.
 
-Gradients and Hessian-vector products run autograd on the model as it is (double backward is the
-fastest HVP in eager mode); Hessians and Jacobians go through ``torch.func.functional_call`` on a
-flat parameter vector.
+Gradients run autograd on the model as it is; Hessians and Jacobians go through
+``torch.func.functional_call`` on a flat parameter vector. Hessian-vector products are in
+:mod:`._module_hvp`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
-from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
-from gradkit._state import named_state
 from gradkit._validate import check_bool, check_callable, check_choice, check_module
 from gradkit.func._common import _check_scalar
 from gradkit.func._hvp import HVPOperator
@@ -33,10 +31,11 @@ from gradkit.func._jacobian import jacobian
 from gradkit.func._transforms import hessian
 
 __all__ = [
+    "LossFn",
+    "_loss",
+    "_select",
     "module_grad",
     "module_hessian",
-    "module_hvp",
-    "module_hvp_operator",
     "module_jacobian",
     "module_value_and_grad",
 ]
@@ -169,161 +168,6 @@ def module_grad(
 ) -> dict[str, torch.Tensor]:
     """The gradient of the loss by parameter name (see :func:`module_value_and_grad`)."""
     return module_value_and_grad(model, loss_fn, batch, params=params)[1]
-
-
-def module_hvp_operator(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    *,
-    params: Iterable[str] | None = None,
-    chunk_size: int | None = None,
-) -> HVPOperator:
-    """The Hessian of the loss w.r.t. the parameters as an operator on flat vectors.
-
-    The flat order is that of ``model.named_parameters()`` (``op.names``); ``op.as_dict(v)``
-    splits a vector by name, ready for :func:`module_hvp`.
-    Parameters the loss does not use have zero rows and columns (never a silently zero
-    Hessian of the wrong function).
-
-    The operator is the Hessian at the parameters as they are now: after an optimizer step, an
-    edit of ``p.data``, a change of a buffer or of ``train()``/``eval()``, its products raise a
-    :class:`~gradkit.GradkitError` (build a new operator, or use
-    :class:`gradkit.curvature.Hessian`, which follows the model).
-    """
-    call = f"module_hvp_operator({type(model).__name__})"
-    chosen = _select(model, params, call)
-    with torch.enable_grad():
-        loss = _loss(model, loss_fn, batch, call)
-        inputs = batch[0] if isinstance(batch[0], tuple) else (batch[0],)
-        data = [
-            (f"batch input {i}", t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)
-        ]
-        if isinstance(batch[1], torch.Tensor):
-            data.append(("batch targets", batch[1]))
-        return HVPOperator(
-            loss,
-            list(chosen.values()),
-            chunk_size=chunk_size,
-            call=call,
-            names=list(chosen),
-            track=named_state(model, data),
-            modules=model,
-            rebuild="module_hvp_operator(model, loss_fn, batch)",
-        )
-
-
-def module_hvp(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    v: Mapping[str, torch.Tensor],
-    *,
-    params: Iterable[str] | None = None,
-) -> dict[str, torch.Tensor]:
-    """``H v`` for ``v`` keyed by parameter name (the keys of ``v`` pick the parameters).
-
-    Examples:
-        >>> import torch
-        >>> from torch import nn
-        >>> from gradkit.func import module_hvp
-        >>> model = nn.Linear(2, 1, bias=False)
-        >>> x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0]])
-        >>> module_hvp(model, nn.functional.mse_loss, (x, y), {"weight": torch.ones(1, 2)})
-        {'weight': tensor([[ 6., 12.]])}
-    """
-    call = f"module_hvp({type(model).__name__})"
-    if not isinstance(v, Mapping):
-        raise TypeError(
-            message(
-                call,
-                "v",
-                "a dict of tensors keyed by parameter name",
-                describe(v),
-                "pass e.g. {name: torch.randn_like(p)}",
-            )
-        )
-    chosen = _select(model, list(v) if params is None else params, call)
-    for n, p in chosen.items():
-        if n not in v or v[n].shape != p.shape:
-            raise ValueError(
-                message(
-                    call,
-                    f"v[{n!r}]",
-                    f"shape {tuple(p.shape)}",
-                    describe(v.get(n)),
-                    "shape each vector like its parameter",
-                )
-            )
-    vs = {n: v[n].to(p.dtype) for n, p in chosen.items()}
-    with torch.enable_grad():
-        res = _layer_output_hvp(model, loss_fn, batch, chosen, vs, call)
-        if res is None:
-            loss = _loss(model, loss_fn, batch, call)
-            xs = list(chosen.values())
-            gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
-            res = _second_grads(gs, xs, list(vs.values()), retain_graph=False)
-    return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
-
-
-_LINEAR_IN_WEIGHTS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-def _layer_output_hvp(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    chosen: dict[str, torch.Tensor],
-    vs: dict[str, torch.Tensor],
-    call: str,
-) -> list[torch.Tensor] | None:
-    r"""``H v`` without forming the first gradient's weight products, when every chosen
-    parameter belongs to a layer whose output is linear in it (Linear, Conv):
-
-    .. math:: \langle \nabla_\theta L, v \rangle = \sum_l \langle \partial L/\partial z_l,
-              \, \mathrm{layer}_l(x_l; v_l) \rangle, \qquad H v = \nabla_\theta \text{ of it}
-
-    The first backward stops at the layer outputs ``z_l``. Returns None (use the plain double
-    backward) for any other model, or when an output was modified in place after the layer.
-    """
-    owners: dict[nn.Module, dict[str, str]] = {}
-    for name in chosen:
-        prefix, _, local = name.rpartition(".")
-        module = model.get_submodule(prefix) if prefix else model
-        if not isinstance(module, _LINEAR_IN_WEIGHTS) or local not in ("weight", "bias"):
-            return None
-        owners.setdefault(module, {})[local] = name
-    seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor, int]] = []
-
-    def keep(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            seen.append((module, args[0], out, out._version))
-
-    handles = [m.register_forward_hook(keep) for m in owners]
-    try:
-        loss = _loss(model, loss_fn, batch, call)
-    finally:
-        for h in handles:
-            h.remove()
-    if not seen or any(out._version != version for _, _, out, version in seen):
-        return None
-    grads_z = torch.autograd.grad(loss, [out for _, _, out, _ in seen], create_graph=True)
-    total = torch.zeros((), dtype=loss.dtype, device=loss.device)
-    for (module, x, _, _), gz in zip(seen, grads_z, strict=True):
-        names = owners[module]
-        own_weight: torch.Tensor = module.weight  # type: ignore[assignment]
-        weight = vs[names["weight"]] if "weight" in names else torch.zeros_like(own_weight)
-        bias = vs.get(names.get("bias", ""))
-        if isinstance(module, nn.Linear):
-            z_v = nn.functional.linear(x, weight, bias)
-        else:
-            z_v = module._conv_forward(x, weight, bias)  # type: ignore[operator]
-        total = total + (gz * z_v).sum()
-    xs = list(chosen.values())
-    if not total.requires_grad:  # second derivative identically zero
-        return [torch.zeros_like(p) for p in xs]
-    res = torch.autograd.grad(total, xs, allow_unused=True)
-    return [torch.zeros_like(p) if r is None else r for r, p in zip(res, xs, strict=True)]
 
 
 def _flat_call(

@@ -24,10 +24,9 @@ import torch
 
 from gradkit._errors import message
 from gradkit._tree import leaves, rebuild, structure_of
-from gradkit._validate import check_bool, check_choice, check_int, check_number
+from gradkit._validate import check_bool, check_callable, check_choice, check_int, check_number
 from gradkit.hyper._problem import (
     HyperResult,
-    check_callable,
     check_hyper,
     check_params,
     check_scalar,
@@ -218,8 +217,8 @@ def implicit(
         True
     """
     call = _CALL
-    check_callable(inner_loss, call, "inner_loss", "(params, batch) -> scalar")
-    check_callable(outer_loss, call, "outer_loss", "params -> scalar")
+    check_callable(inner_loss, call, "inner_loss", "a function (params, batch) -> scalar")
+    check_callable(outer_loss, call, "outer_loss", "a function params -> scalar")
     check_choice(method, _METHODS, call, "method")
     names, hypers = check_hyper(
         hyper, call, "pass e.g. hyper={'l2': l2} with tensors inner_loss or outer_loss close over"

@@ -25,7 +25,7 @@ import torch
 
 from gradkit._errors import describe, message
 from gradkit._tree import leaves, rebuild, structure_of
-from gradkit._validate import check_bool, check_choice
+from gradkit._validate import check_bool, check_callable, check_choice
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import implicit
 from gradkit.hyper._online import OnlineTangents
@@ -38,7 +38,6 @@ from gradkit.hyper._outer import (
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
-    check_callable,
     check_hyper,
     check_steps,
 )
@@ -179,7 +178,7 @@ class HyperOptimizer:
         )
         check_bool(record, _CALL, "record")
         if callback is not None:
-            check_callable(callback, _CALL, "callback", "(HyperStep) -> bool | None")
+            check_callable(callback, _CALL, "callback", "a function (HyperStep) -> bool | None")
         self.inner_loss = inner_loss
         self.outer_loss = outer_loss
         self.opt = opt

@@ -16,14 +16,13 @@ import torch
 
 from gradkit._errors import describe, message
 from gradkit._tree import entries, leaves, rebuild, structure_of
-from gradkit._validate import check_int
+from gradkit._validate import check_callable, check_int
 from gradkit.optim import Optimizer, state_layout
 
 __all__ = [
     "Batches",
     "Dynamics",
     "HyperResult",
-    "check_callable",
     "check_hyper",
     "check_params",
     "check_scalar",
@@ -134,14 +133,6 @@ def check_hyper(
         names.append(str(name))
         tensors.append(h)
     return names, tensors
-
-
-def check_callable(f: Any, call: str, argument: str, signature: str) -> None:
-    """A TypeError naming ``argument`` unless ``f`` is callable."""
-    if not callable(f):
-        raise TypeError(
-            message(call, argument, f"a function {signature}", describe(f), "pass a function")
-        )
 
 
 def check_steps(steps: Any, call: str, argument: str = "steps", *, low: int = 1) -> int:
@@ -272,8 +263,8 @@ class Dynamics:
         batches: Any,
         call: str,
     ) -> None:
-        check_callable(inner_loss, call, "inner_loss", "(params, batch) -> scalar")
-        check_callable(outer_loss, call, "outer_loss", "params -> scalar")
+        check_callable(inner_loss, call, "inner_loss", "a function (params, batch) -> scalar")
+        check_callable(outer_loss, call, "outer_loss", "a function params -> scalar")
         if not isinstance(opt, Optimizer):
             raise TypeError(
                 message(
