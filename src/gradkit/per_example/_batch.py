@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradkit._errors import GradkitError, message
+from gradkit.per_example._flat import flatten, unflatten
+from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._layout import CallLayout
 
 __all__ = ["Call", "Dims", "ModelCall", "disagree_error", "mismatch_error", "split_call"]
@@ -86,7 +87,7 @@ class ModelCall:
 @dataclass
 class Dims:
     """Where the examples are in the leaves of a call as the module saw it: ``inputs`` per leaf
-    of ``tree_flatten((args, kwargs))``, ``outputs`` per leaf of the output's gradient (None:
+    of ``flatten((args, kwargs))``, ``outputs`` per leaf of the output's gradient (None:
     shared by every example, or no gradient); ``added[k]``: output ``k`` had no batch dimension
     and was given one (its per-example gradient has the output's own shape)."""
 
@@ -134,7 +135,7 @@ def _merged_call(
     positions: int,
 ) -> Call:
     """A merged call: every tensor with ``n * positions`` rows is seen as ``[n, positions]``."""
-    in_leaves, in_spec = tree_flatten((args, kwargs))
+    in_leaves, in_spec = flatten((args, kwargs))
     rows = n * positions
 
     def split(t: Any) -> Any:
@@ -142,7 +143,7 @@ def _merged_call(
             return t.detach().reshape(n, positions, *t.shape[1:])
         return t.detach() if isinstance(t, torch.Tensor) else t
 
-    cargs, ckwargs = tree_unflatten([split(t) for t in in_leaves], in_spec)
+    cargs, ckwargs = unflatten([split(t) for t in in_leaves], in_spec)
     dims: list[int | None] = [0 if isinstance(t, torch.Tensor) else None for t in out_leaves]
     return Call(
         n,
@@ -206,7 +207,7 @@ def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
     if not model.expanded:
         return
     targets = {node: (call, dim) for call, node, dim, _ in model.expanded}
-    stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    stack = [t.grad_fn for t in flat_leaves(output) if isinstance(t, torch.Tensor)]
     seen: set[Any] = set()
     while stack:
         node = stack.pop()
@@ -262,8 +263,8 @@ def split_call(
     """Split one call (see the module docstring); ``model`` is the model call this module call
     belongs to (None: called outside it); ``leading_dims``: the rule takes inputs with any
     leading dimensions (a merged call may be reshaped for it)."""
-    out_leaves, out_spec = tree_flatten(output)
-    in_leaves, in_spec = tree_flatten((args, kwargs))
+    out_leaves, out_spec = flatten(output)
+    in_leaves, in_spec = flatten((args, kwargs))
     live = [
         k
         for k, t in enumerate(out_leaves)
@@ -348,8 +349,8 @@ def split_call(
             d = d if size == n and mode != "unbatched" else None
         captured.append(t)
         in_dims.append(d)
-    cargs, ckwargs = tree_unflatten(captured, in_spec)
-    replaced = tree_unflatten(new_out, out_spec) if mode != "batched" else None
+    cargs, ckwargs = unflatten(captured, in_spec)
+    replaced = unflatten(new_out, out_spec) if mode != "batched" else None
     return Call(
         n,
         cargs,

@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradkit._errors import GradkitError, message
 from gradkit.per_example._batch import Call, Dims, ModelCall, disagree_error, mismatch_error
 from gradkit.per_example._edge_mean import EdgeMean, will_execute
+from gradkit.per_example._flat import leaves as flat_leaves
+from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
 from gradkit.per_example._layout import check_loss_reduction
 from gradkit.per_example._registry import Use, find_rule
@@ -200,7 +201,7 @@ def model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) ->
     for value in (*args, *kwargs.values()):
         if isinstance(value, PackedSequence):
             return ModelCall(int(value.batch_sizes[0]), None)
-        for t in tree_flatten(value)[0]:
+        for t in flat_leaves(value):
             if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
                 shape = t.shape[:batch_dim] + t.shape[batch_dim + 1 :]
                 return ModelCall(int(t.shape[batch_dim]), tuple(shape), first=t, dim=batch_dim)
@@ -212,7 +213,7 @@ def rule_view(call: Call, grads: list[torch.Tensor | None], native: bool) -> Use
     it (with its dims) for the fallback."""
     if native:
         return Use(call.args, grads, call.kwargs, Dims(call.in_dims, call.out_dims, call.added))
-    return Use(call.args, tree_unflatten(grads, call.out_spec), call.kwargs)
+    return Use(call.args, unflatten(grads, call.out_spec), call.kwargs)
 
 
 def in_backward() -> bool:

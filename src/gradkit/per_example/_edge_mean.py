@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import Node
-from torch.utils._pytree import tree_flatten
+
+from gradkit.per_example._flat import leaves as flat_leaves
 
 __all__ = ["EdgeMean", "param_edges", "will_execute"]
 
@@ -76,7 +77,7 @@ class EdgeMean:
         built from ``inputs`` to ``outputs`` (not below the inputs' own graph)."""
         stops = {
             a.grad_fn
-            for a in tree_flatten(inputs)[0]
+            for a in flat_leaves(inputs)
             if isinstance(a, torch.Tensor) and a.grad_fn is not None
         }
         targets = {

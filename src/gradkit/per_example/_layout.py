@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten
 
 from gradkit._errors import GradkitError, message
 from gradkit._validate import check_int
+from gradkit.per_example._flat import leaves as flat_leaves
 
 __all__ = [
     "CallLayout",
@@ -60,7 +60,7 @@ __all__ = [
 @dataclass
 class CallLayout:
     """The batch dimension of each leaf of one module call, as flat lists aligned with
-    ``tree_flatten((args, kwargs))`` and ``tree_flatten(output)``: an ``int``, or ``None`` for
+    ``flatten((args, kwargs))`` and ``flatten(output)``: an ``int``, or ``None`` for
     a leaf shared by every example (or not a tensor)."""
 
     inputs: list[int | None]
@@ -75,7 +75,7 @@ def _dims(value: Any, dim: int | None) -> list[int | None]:
         return [d for v in value for d in _dims(v, dim)]
     return [
         dim if dim is not None and isinstance(t, torch.Tensor) and t.dim() > dim else None
-        for t in tree_flatten(value)[0]
+        for t in flat_leaves(value)
     ]
 
 

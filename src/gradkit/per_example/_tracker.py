@@ -64,7 +64,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_flatten
 
 from gradkit._errors import GradkitError, message
 from gradkit._validate import check_bool, check_choice, check_int, check_module, check_optional_int
@@ -87,6 +86,7 @@ from gradkit.per_example._capture import (
     tracked_modules,
 )
 from gradkit.per_example._edge_mean import EdgeMean
+from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._fused import LinearWithSums, WeightSum
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._layout import (
@@ -300,7 +300,7 @@ class Tracker(TrackerResults):
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> Any:
-            leaves = tree_flatten(output)[0]
+            leaves = flat_leaves(output)
             live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
@@ -330,8 +330,8 @@ class Tracker(TrackerResults):
             if replacement is not None:
                 if call.mode in ("broadcast", "unbatched"):
                     for old, new, d in zip(
-                        tree_flatten(output)[0],
-                        tree_flatten(replacement)[0],
+                        flat_leaves(output),
+                        flat_leaves(replacement),
                         call.out_dims,
                         strict=True,
                     ):
@@ -339,7 +339,7 @@ class Tracker(TrackerResults):
                             expanded = (call, new.grad_fn, d, st.label)
                             self._model_calls[-1].expanded.append(expanded)
                 output = replacement
-                leaves = tree_flatten(output)[0]
+                leaves = flat_leaves(output)
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if call.mode == "merged" and isinstance(output, torch.Tensor):
                 self._model_calls[-1].merged[output.grad_fn] = call.positions
