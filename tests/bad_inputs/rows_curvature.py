@@ -240,7 +240,7 @@ ROWS: list[Case] = [
         "curvature.eigenvalues.max_iter_zero",
         lambda: eigenvalues(_H, k=1, max_iter=0),
         ValueError,
-        ("max_iter", "an int >= k (1)", "got 0"),
+        ("max_iter", "at least k (1)", "got 0"),
     ),
     Case(
         "curvature.eigenvalues.tol_string",

@@ -80,9 +80,9 @@ class CurvatureOperator(FlatVectors):
         loss_fn: LossFn,
         data: Any,
         *,
-        params: Iterable[str] | str | None,
-        blocks: Any,
-        reduction: str,
+        params: Iterable[str] | str | None = None,
+        blocks: Any = "full",
+        reduction: str = "mean",
         vectorize: bool | None = None,
         chunk_size: int | None = None,
     ) -> None:
@@ -116,8 +116,16 @@ class CurvatureOperator(FlatVectors):
         self.chunk_size = chunk_size
         self._point: Point | None = None
         self._state: TensorState | None = None
+        self._configure()
+        self._start()
 
     # -- subclass interface -------------------------------------------------------------------
+    # A subclass gives the product at one batch (_make_point) and, if it has arguments of its
+    # own, checks them in _configure (called once the shared arguments are checked, before the
+    # first batch's point is built).
+
+    def _configure(self) -> None:
+        """Check and set the subclass's own arguments (the shared ones are set)."""
 
     def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
         raise NotImplementedError  # pragma: no cover

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, message
+from gradkit.curvature._data import Data
+from gradkit.curvature._layout import Layout
 
 __all__ = ["factor_diagonal", "unit_diagonal"]
 
@@ -59,16 +61,16 @@ def unit_diagonal(
     return out
 
 
-def _push(op: Any, out: torch.Tensor, cols: torch.Tensor) -> None:
+def _push(layout: Layout, out: torch.Tensor, cols: torch.Tensor) -> None:
     if not out.requires_grad:
         return
     for c in cols:
-        torch.autograd.grad(out, op._params, c, retain_graph=True, allow_unused=True)
+        torch.autograd.grad(out, layout.params, c, retain_graph=True, allow_unused=True)
 
 
-def _read(op: Any, stats: Any) -> torch.Tensor:
+def _read(layout: Layout, stats: Any) -> torch.Tensor:
     parts = []
-    for name, p in zip(op.names, op._params, strict=True):
+    for name, p in zip(layout.names, layout.params, strict=True):
         if name in stats and stats[name].num_examples > 0:
             st = stats[name]
             parts.append((st.second_moment * st.num_examples).reshape(-1).to(torch.float64))
@@ -77,13 +79,14 @@ def _read(op: Any, stats: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def factor_diagonal(op: Any, factors: Factors, *, call: str) -> torch.Tensor:
-    """The exact diagonal of ``sum_b w_b J_b^T M_b J_b`` given ``factors(out, targets, index)
-    -> (pos [C+, *out], neg [C-, *out])`` per batch (see the module docstring)."""
+def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) -> torch.Tensor:
+    """The exact diagonal of ``sum_b w_b J_b^T M_b J_b`` over the parameters of ``layout``
+    given ``factors(out, targets, index) -> (pos [C+, *out], neg [C-, *out])`` per batch (see
+    the module docstring)."""
     from gradkit.per_example import track
 
-    data = op._data
-    total = torch.zeros(op.shape[0], dtype=torch.float64, device=op.device)
+    first = layout.params[0]
+    total = torch.zeros(layout.n, dtype=torch.float64, device=first.device)
     for index, (inputs, targets, n) in enumerate(data):
         weight = data.weight(n)
         try:
@@ -91,12 +94,12 @@ def factor_diagonal(op: Any, factors: Factors, *, call: str) -> torch.Tensor:
                 with track(data.model, "second_moment", loss_reduction="sum") as stats:
                     out = data.forward(inputs)
                     pos, neg = factors(out.detach(), targets, index)
-                    _push(op, out, pos)
-                total += weight * _read(op, stats)
+                    _push(layout, out, pos)
+                total += weight * _read(layout, stats)
                 if neg.shape[0]:
                     with track(data.model, "second_moment", loss_reduction="sum") as stats:
-                        _push(op, data.forward(inputs), neg)
-                    total -= weight * _read(op, stats)
+                        _push(layout, data.forward(inputs), neg)
+                    total -= weight * _read(layout, stats)
         except GradkitError as err:
             if str(err).startswith(call):
                 raise
@@ -104,4 +107,4 @@ def factor_diagonal(op: Any, factors: Factors, *, call: str) -> torch.Tensor:
                 f"{call}: per-example gradients are not available for this model ({err}); "
                 "use method='hutchinson' or 'hutch++'"
             ) from err
-    return total.to(op.dtype)
+    return total.to(first.dtype)

@@ -135,18 +135,8 @@ def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> t
 
 
 def _check_probes(probes: Any, minimum: int, call: str, method: str) -> int:
-    if isinstance(probes, bool) or not isinstance(probes, int) or probes < minimum:
-        error = TypeError if isinstance(probes, bool) or not isinstance(probes, int) else ValueError
-        raise error(
-            message(
-                call,
-                "probes",
-                f"an int >= {minimum} for method={method!r}",
-                repr(probes),
-                "pass more probes, e.g. probes=100",
-            )
-        )
-    return probes
+    fix = f"pass more probes for method={method!r}, e.g. probes=100"
+    return check_int(probes, call, "probes", low=minimum, fix=fix)
 
 
 def _sketch(

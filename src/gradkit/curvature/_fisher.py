@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice
+from gradkit._validate import check_choice, check_int
 from gradkit.curvature._base import CurvatureOperator, Point
 from gradkit.curvature._data import LossFn
 from gradkit.curvature._diag import factor_diagonal
@@ -129,6 +129,7 @@ class Fisher(CurvatureOperator):
         vectorize: bool | None = None,
         chunk_size: int | None = None,
     ) -> None:
+        self._options = (kind, samples, likelihood, generator)  # checked in _configure
         super().__init__(
             model,
             loss_fn,
@@ -139,12 +140,12 @@ class Fisher(CurvatureOperator):
             vectorize=vectorize,
             chunk_size=chunk_size,
         )
+
+    def _configure(self) -> None:
         call = self._call
+        kind, samples, likelihood, generator = self._options
         self.kind = check_choice(kind, ("mc", "empirical"), call, "kind")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ValueError(
-                message(call, "samples", "a positive int", repr(samples), "pass e.g. samples=1")
-            )
+        samples = check_int(samples, call, "samples", low=1)
         if kind == "empirical" and samples != 1:
             raise ValueError(
                 message(
@@ -162,7 +163,7 @@ class Fisher(CurvatureOperator):
             )
         self.likelihood: Likelihood | None = None
         if kind == "mc":
-            lik = _infer(loss_fn) if likelihood is None else likelihood
+            lik = _infer(self._data.loss_fn) if likelihood is None else likelihood
             if lik is None:
                 raise ValueError(
                     message(
@@ -182,7 +183,6 @@ class Fisher(CurvatureOperator):
         if generator is not None:
             kw.update(generator=generator, device=generator.device)
         self._seed = int(torch.randint(0, 2**62, (), **kw))
-        self._start()
 
     def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
         j = JPoint(self._layout, self._data, inputs)
@@ -196,7 +196,7 @@ class Fisher(CurvatureOperator):
             R, c = self._factor(out, targets, index)
             return R * c**0.5, R[:0]
 
-        return factor_diagonal(self, factors, call=call)
+        return factor_diagonal(self._data, self._layout, factors, call=call)
 
     # -- the output factors ------------------------------------------------------------------
 

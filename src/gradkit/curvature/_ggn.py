@@ -17,16 +17,14 @@ About 2x a gradient from scratch; the loss Hessian ``H_out`` is never materializ
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import is_batching_error
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
-from gradkit.curvature._data import Data, LossFn, find_error_nodes
+from gradkit.curvature._data import Data, find_error_nodes
 from gradkit.curvature._diag import factor_diagonal
 
 __all__ = ["GGN", "JPoint", "LossHessian", "loss_hessian_blocks", "output_factors"]
@@ -169,30 +167,6 @@ class GGN(CurvatureOperator):
 
     _kind = "GGN"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        data: Any,
-        *,
-        params: Iterable[str] | str | None = None,
-        blocks: Any = "full",
-        reduction: str = "mean",
-        vectorize: bool | None = None,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            model,
-            loss_fn,
-            data,
-            params=params,
-            blocks=blocks,
-            reduction=reduction,
-            vectorize=vectorize,
-            chunk_size=chunk_size,
-        )
-        self._start()
-
     def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
         return _GGNPoint(self._layout, self._data, inputs, targets)
 
@@ -202,7 +176,7 @@ class GGN(CurvatureOperator):
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return output_factors(self._data, out, targets, max_memory=max_memory, call=call)
 
-        return factor_diagonal(self, factors, call=call)
+        return factor_diagonal(self._data, self._layout, factors, call=call)
 
 
 def loss_hessian_blocks(

@@ -9,16 +9,14 @@ it per product, batch by batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
-from gradkit.curvature._data import Data, LossFn, find_error_nodes
+from gradkit.curvature._data import Data, find_error_nodes
 from gradkit.curvature._mlp_diag import mlp_hessian_diagonal, mlp_layers
 
 __all__ = ["Hessian"]
@@ -91,30 +89,6 @@ class Hessian(CurvatureOperator):
 
     _kind = "Hessian"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        data: Any,
-        *,
-        params: Iterable[str] | str | None = None,
-        blocks: Any = "full",
-        reduction: str = "mean",
-        vectorize: bool | None = None,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            model,
-            loss_fn,
-            data,
-            params=params,
-            blocks=blocks,
-            reduction=reduction,
-            vectorize=vectorize,
-            chunk_size=chunk_size,
-        )
-        self._start()
-
     def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
         return _HessianPoint(self._layout, self._data, inputs, targets)
 
@@ -123,7 +97,9 @@ class Hessian(CurvatureOperator):
         layers = mlp_layers(self._data.model)
         if layers is not None:
             try:
-                d = mlp_hessian_diagonal(self, layers, max_memory=max_memory, call=call)
+                d = mlp_hessian_diagonal(
+                    self._data, self._layout, layers, max_memory=max_memory, call=call
+                )
             except GradkitError:  # a loss that couples examples, or too many outputs
                 d = None
             if d is not None:

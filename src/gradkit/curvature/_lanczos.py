@@ -183,15 +183,9 @@ def eigenvalues(
     check_choice(which, _WHICH, call, "which")
     A = LinearOp(op, call)
     n = A.n
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-        error = TypeError if isinstance(k, bool) or not isinstance(k, int) else ValueError
-        raise error(message(call, "k", f"an int in [1, {n}]", repr(k), "pass e.g. k=3"))
+    k = check_int(k, call, "k", low=1, high=n, example=3)
     steps = min(n, max(64, 4 * k)) if max_iter is None else max_iter
-    if isinstance(steps, bool) or not isinstance(steps, int) or not k <= steps:
-        error = TypeError if isinstance(steps, bool) or not isinstance(steps, int) else ValueError
-        raise error(
-            message(call, "max_iter", f"an int >= k ({k})", repr(max_iter), "raise max_iter")
-        )
+    steps = check_int(steps, call, "max_iter", low=k, fix=f"raise max_iter to at least k ({k})")
     steps = min(steps, n)
     check_bool(return_vectors, call, "return_vectors")
     eps = torch.finfo(A.dtype).eps
@@ -293,12 +287,8 @@ def spectral_density(
     """
     call = f"spectral_density({label(op)})"
     A = LinearOp(op, call)
-    for name, value in (("probes", probes), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            error = (
-                TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
-            )
-            raise error(message(call, name, "a positive int", repr(value), "pass e.g. 10"))
+    probes = check_int(probes, call, "probes", low=1, example=10)
+    steps = check_int(steps, call, "steps", low=1, example=10)
     if width is not None:
         width = check_number(width, call, "width", low=0, low_open=True, example="0.01")
     if isinstance(grid, torch.Tensor):

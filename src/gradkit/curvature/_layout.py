@@ -19,6 +19,7 @@ class Layout:
     cycle keeps a graph alive after the operator is dropped)."""
 
     def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self.names = list(params)
         self.params = list(params.values())
         self.shapes = [p.shape for p in self.params]
         self.sizes = [p.numel() for p in self.params]

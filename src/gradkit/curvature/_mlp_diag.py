@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradkit.curvature._data import Data
 from gradkit.curvature._ggn import loss_hessian_blocks
+from gradkit.curvature._layout import Layout
 
 __all__ = ["mlp_hessian_diagonal", "mlp_layers"]
 
@@ -81,12 +83,11 @@ def _derivatives(layer: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def mlp_hessian_diagonal(
-    op: Any, layers: list[nn.Module], *, max_memory: int, call: str
+    data: Data, layout: Layout, layers: list[nn.Module], *, max_memory: int, call: str
 ) -> torch.Tensor | None:
-    """``diag(H)`` ``[P]`` of ``op`` (a Hessian of a supported MLP), or None when a batch's
-    inputs do not fit (not a ``[N, features]`` tensor after ``Flatten``) or the per-example
-    blocks would take more than ``max_memory`` bytes."""
-    data = op._data
+    """``diag(H)`` ``[P]`` of the loss on ``data`` w.r.t. the parameters of ``layout`` (a
+    supported MLP), or None when a batch's inputs do not fit (not a ``[N, features]`` tensor
+    after ``Flatten``) or the per-example blocks would take more than ``max_memory`` bytes."""
     diag: dict[int, torch.Tensor] = {}
     widest = max(m.out_features for m in layers if isinstance(m, nn.Linear))
     for inputs, targets, n in data:
@@ -129,6 +130,6 @@ def mlp_hessian_diagonal(
                 delta = delta * d1
     out = [
         diag.get(id(p), torch.zeros(p.shape, dtype=torch.float64, device=p.device)).reshape(-1)
-        for p in op._params
+        for p in layout.params
     ]
-    return torch.cat(out).to(op.dtype)
+    return torch.cat(out).to(layout.params[0].dtype)
