@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_choice, check_module
+from gradkit._params import LossFn
+from gradkit._params import select_params as choose
+from gradkit._validate import check_choice
 
 __all__ = ["Data", "LossFn", "find_error_nodes", "select_params"]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 Batch = tuple[Any, torch.Tensor]
 T = TypeVar("T")
 
@@ -35,58 +36,9 @@ T = TypeVar("T")
 def select_params(
     model: nn.Module, params: Iterable[str] | str | None, call: str
 ) -> dict[str, torch.Tensor]:
-    """The differentiated parameters by name, in ``model.named_parameters()`` order."""
-    check_module(model, call, "pass the model whose curvature to compute")
-    named: dict[str, torch.Tensor] = dict(model.named_parameters())
-    if params is None:
-        chosen = {n: p for n, p in named.items() if p.requires_grad}
-    else:
-        if isinstance(params, str):
-            params = [params]
-        if not isinstance(params, Iterable) or isinstance(params, (bytes, dict)):
-            raise TypeError(
-                message(
-                    call,
-                    "params",
-                    "None, a parameter name or a list of names",
-                    describe(params),
-                    f"pass e.g. params={list(named)[:2]}",
-                )
-            )
-        wanted = list(params)
-        bad = [n for n in wanted if not isinstance(n, str) or n not in named]
-        if bad:
-            raise ValueError(
-                message(
-                    call,
-                    "params",
-                    "names from model.named_parameters()",
-                    repr(bad),
-                    f"choose among {list(named)[:8]}",
-                )
-            )
-        frozen = [n for n in wanted if not named[n].requires_grad]
-        if frozen:
-            raise ValueError(
-                message(
-                    call,
-                    "params",
-                    "parameters with requires_grad=True",
-                    f"frozen {frozen}",
-                    "unfreeze them or leave them out of params",
-                )
-            )
-        chosen = {n: p for n, p in named.items() if n in set(wanted)}
-    if not chosen:
-        raise ValueError(
-            message(
-                call,
-                "params",
-                "at least one parameter with requires_grad=True",
-                "none (all frozen or none selected)",
-                "set requires_grad=True or name parameters in params=",
-            )
-        )
+    """The differentiated parameters by name, in ``model.named_parameters()`` order, of one
+    floating dtype and device."""
+    chosen = choose(model, params, call, fix="pass the model whose curvature to compute")
     dtypes = {p.dtype for p in chosen.values()}
     devices = {p.device for p in chosen.values()}
     if len(dtypes) != 1 or len(devices) != 1 or not next(iter(dtypes)).is_floating_point:

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from gradkit._errors import describe, message
-from gradkit._validate import check_bool, check_callable, check_choice, check_module
+from gradkit._params import LossFn, select_params
+from gradkit._validate import check_bool, check_callable, check_choice
 from gradkit.func._common import _check_scalar
 from gradkit.func._hvp import HVPOperator
 from gradkit.func._jacobian import jacobian
@@ -33,67 +34,11 @@ from gradkit.func._transforms import hessian
 __all__ = [
     "LossFn",
     "_loss",
-    "_select",
     "module_grad",
     "module_hessian",
     "module_jacobian",
     "module_value_and_grad",
 ]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def _select(model: nn.Module, params: Iterable[str] | None, call: str) -> dict[str, torch.Tensor]:
-    check_module(model, call, "pass the model itself")
-    named: dict[str, torch.Tensor] = dict(model.named_parameters())
-    if params is None:
-        chosen = {n: p for n, p in named.items() if p.requires_grad}
-    else:
-        if not isinstance(params, (str, Iterable)) or isinstance(params, (bytes, dict)):
-            raise TypeError(
-                message(
-                    call,
-                    "params",
-                    "None, a parameter name or a list of names",
-                    describe(params),
-                    f"pass e.g. params={sorted(named)[:2]}",
-                )
-            )
-        names = [params] if isinstance(params, str) else list(params)
-        unknown = [n for n in names if not isinstance(n, str) or n not in named]
-        if unknown:
-            raise ValueError(
-                message(
-                    call,
-                    "params",
-                    "names from model.named_parameters()",
-                    repr(unknown),
-                    f"choose among {sorted(named)[:8]}",
-                )
-            )
-        frozen = [n for n in names if not named[n].requires_grad]
-        if frozen:
-            raise ValueError(
-                message(
-                    call,
-                    "params",
-                    "parameters with requires_grad=True",
-                    f"frozen {frozen}",
-                    "unfreeze them (p.requires_grad_()) or leave them out of params",
-                )
-            )
-        chosen = {n: named[n] for n in names}
-    if not chosen:
-        raise ValueError(
-            message(
-                call,
-                "params",
-                "at least one parameter to differentiate",
-                "none (all frozen or none selected)",
-                "set requires_grad=True or name parameters in params=",
-            )
-        )
-    return chosen
 
 
 def _forward(model: nn.Module, inputs: Any) -> Any:
@@ -153,7 +98,7 @@ def module_value_and_grad(
         (tensor(9.), tensor([[ 6., 12.]]), None)
     """
     call = f"module_value_and_grad({type(model).__name__})"
-    chosen = _select(model, params, call)
+    chosen = select_params(model, params, call, given_order=True)
     with torch.enable_grad():
         loss = _loss(model, loss_fn, batch, call)
         grads = torch.autograd.grad(loss, list(chosen.values()), allow_unused=True)
@@ -259,7 +204,7 @@ def module_hessian(
     call = f"module_hessian({type(model).__name__})"
     check_bool(flat, call, "flat")
     check_callable(loss_fn, call, "loss_fn", "a loss_fn(output, targets) returning a scalar")
-    chosen = _select(model, params, call)
+    chosen = select_params(model, params, call, given_order=True)
     flat0, call_with = _flat_call(model, chosen)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         _loss(model, loss_fn, batch, call)  # raises the batch error
@@ -328,7 +273,7 @@ def module_jacobian(
     """
     call = f"module_jacobian({type(model).__name__})"
     check_choice(mode, ("auto", "forward", "reverse"), call, "mode")
-    chosen = _select(model, params, call)
+    chosen = select_params(model, params, call, given_order=True)
     flat0, call_with = _flat_call(model, chosen)
     if _reuses_modules(model):  # see module_hessian: reverse mode on the model itself
         with torch.enable_grad():

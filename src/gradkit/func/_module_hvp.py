@@ -16,9 +16,10 @@ from torch import nn
 
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
+from gradkit._params import LossFn, select_params
 from gradkit._state import named_state
 from gradkit.func._hvp import HVPOperator
-from gradkit.func._module import LossFn, _loss, _select
+from gradkit.func._module import _loss
 
 __all__ = ["module_hvp", "module_hvp_operator"]
 
@@ -44,7 +45,7 @@ def module_hvp_operator(
     :class:`gradkit.curvature.Hessian`, which follows the model).
     """
     call = f"module_hvp_operator({type(model).__name__})"
-    chosen = _select(model, params, call)
+    chosen = select_params(model, params, call, given_order=True)
     with torch.enable_grad():
         loss = _loss(model, loss_fn, batch, call)
         inputs = batch[0] if isinstance(batch[0], tuple) else (batch[0],)
@@ -95,7 +96,7 @@ def module_hvp(
                 "pass e.g. {name: torch.randn_like(p)}",
             )
         )
-    chosen = _select(model, list(v) if params is None else params, call)
+    chosen = select_params(model, list(v) if params is None else params, call, given_order=True)
     for n, p in chosen.items():
         if n not in v or v[n].shape != p.shape:
             raise ValueError(
