@@ -16,13 +16,12 @@ import torch
 import gradkit
 from gradkit._bench import _parser, main
 from gradkit._bench._case import Settings, run_case
+from gradkit._bench._per_example_problems import make_problem
+from gradkit._bench._per_example_runner import Runner, Variant
 from gradkit._bench.per_example import (
     _PEERS,
     MODELS,
     _case,
-    _problem,
-    _Runner,
-    _Variant,
     build_cases,
     measure_memory,
     memory_child,
@@ -93,7 +92,7 @@ def test_per_example_suite_smoke(tmp_path, capsys):
 
 
 def test_quick_runs_time_plain_and_gradkit_only():
-    quick = _Runner(_problem("mlp", 0, 2), peers=False)
+    quick = Runner(make_problem("mlp", 0, 2), peers=False)
     assert list(quick.variants("variance")) == ["plain", "gradkit"]
     assert quick.notes == []  # nothing skipped: peers are left out on purpose
 
@@ -187,14 +186,14 @@ def test_transformers_is_imported_only_to_build_gpt2():
     code = (
         "import sys, gradkit._bench.per_example as pe; "
         "assert 'transformers' not in sys.modules; "
-        "pe._problem('mlp', 0, 2); assert 'transformers' not in sys.modules"
+        "pe.make_problem('mlp', 0, 2); assert 'transformers' not in sys.modules"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_a_raising_gradkit_is_a_mismatch_and_its_goal_is_not_judged(monkeypatch):
-    runner = _Runner(_problem("mlp", 0, 4), peers=False)
+    runner = Runner(make_problem("mlp", 0, 4), peers=False)
     grads = runner.func_grads()
 
     def broken(*args, **kwargs):
@@ -212,14 +211,14 @@ def test_a_raising_gradkit_is_a_mismatch_and_its_goal_is_not_judged(monkeypatch)
 
 
 def test_a_peer_that_raises_is_left_out_with_a_note(monkeypatch):
-    runner = _Runner(_problem("mlp", 0, 4), peers=False)
+    runner = Runner(make_problem("mlp", 0, 4), peers=False)
     grads = runner.func_grads()
     variants = runner.variants("variance")
 
     def refuse():
         raise NotImplementedError("no rule for this layer")
 
-    variants["opacus"] = _Variant("Opacus something", refuse)
+    variants["opacus"] = Variant("Opacus something", refuse)
     monkeypatch.setattr(runner, "variants", lambda quantity: variants)
     result = run_case(
         _case(runner, "variance", grads, "quick"), Settings(repeats=1, warmup=1, min_sample_s=0.0)

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from gradkit.cli import main
-from gradkit.cli._demo import SECTIONS, _scoped_torch_state, section_title
+from gradkit.cli._console import torch_scope
+from gradkit.cli._demo import SECTIONS
+from gradkit.cli._sections import section_title
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = [
@@ -160,10 +162,10 @@ def test_prints_a_summary(quick_run: tuple[Path, Path, str]) -> None:
     assert f"report: {run / 'report.md'}" in stdout
 
 
-def test_scoped_torch_state_restores_threads_and_rng() -> None:
+def test_torch_scope_restores_threads_and_rng() -> None:
     before_threads = torch.get_num_threads()
     before_rng = torch.get_rng_state()
-    with _scoped_torch_state(1):
+    with torch_scope(1):
         assert torch.get_num_threads() == 1
         torch.manual_seed(123)
         torch.rand(3)

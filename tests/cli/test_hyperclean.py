@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from gradkit._digits import load_digits
 from gradkit.cli import main
 from gradkit.cli._hyperclean import QUICK_HYPER_STEPS
 from gradkit.cli._hyperclean_data import DataError, load_source, make_split, read_idx
 from gradkit.cli._hyperclean_demo import rtho_run
-from gradkit.cli._train import load_digits
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["weights_histogram.png", "outer_loss.png", "accuracy.png"]

@@ -11,10 +11,13 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradkit.cli._console import interactive, training_progress
+from gradkit.cli._console import interactive, step_progress
 from gradkit.cli._report import Plot, Report, figure_token, slug
 
 NOW = dt.datetime(2024, 5, 6, 7, 8, 9)
+
+
+LOSS = {"loss": "loss {:.4f}"}
 
 
 def _figure() -> Figure:
@@ -92,19 +95,21 @@ def test_progress_only_on_an_interactive_terminal(monkeypatch: pytest.MonkeyPatc
     assert interactive(_FakeTTY())
 
     quiet = Console(file=io.StringIO(), force_terminal=True)
-    with training_progress(3, enabled=True, console=quiet) as on_step:
-        on_step(1, 0.5)
+    with step_progress("training", 3, fields=LOSS, enabled=True, console=quiet) as on_step:
+        on_step(1, {"loss": 0.5})
     assert quiet.file.getvalue() == ""  # type: ignore[attr-defined]
 
     tty = _FakeTTY()
-    with training_progress(3, enabled=False, console=Console(file=tty)) as on_step:
-        on_step(1, 0.5)
+    with step_progress("training", 3, fields=LOSS, enabled=False, console=Console(file=tty)) as f:
+        f(1, {"loss": 0.5})
     assert tty.getvalue() == ""
 
-    with training_progress(3, enabled=True, console=Console(file=tty, width=100)) as on_step:
+    wide = Console(file=tty, width=100)
+    with step_progress("training", 3, fields=LOSS, enabled=True, console=wide) as on_step:
         for step in (1, 2, 3):
-            on_step(step, 0.25)
-    assert "training" in tty.getvalue() and "3/3" in tty.getvalue()
+            on_step(step, {"loss": 0.25})
+    shown = tty.getvalue()
+    assert "training" in shown and "3/3" in shown and "loss 0.2500" in shown
 
     monkeypatch.setenv("TERM", "dumb")
     assert not interactive(_FakeTTY())

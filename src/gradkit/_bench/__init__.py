@@ -6,9 +6,16 @@
 result agrees numerically with its reference, 1 otherwise; timing and memory targets never
 change it (machines are noisy: read the report).
 
-Suites: ``func`` (gradkit.func against torch.func and torch.autograd.functional) and
-``per_example`` (gradkit.per_example against BackPACK, Opacus and torch.func; with memory on, the
-peak memory of the variance too, one subprocess per variant).
+Suites, one module each:
+
+* ``per_example``: gradkit.per_example against BackPACK, Opacus and torch.func (with memory on,
+  the peak memory of the variance too, one subprocess per variant);
+* ``func``: gradkit.func against torch.func and torch.autograd.functional;
+* ``accumulate``: :class:`~gradkit.accumulate.Accumulator` against a hand-written accumulation
+  loop on the demo CNN, and one micro-step's activation memory;
+* ``hyper``: hypergradients against ``higher`` and TorchOpt (time and peak memory);
+* ``curvature``: curvature products, estimators and diagonals against hand-written autograd,
+  torch.func, BackPACK and curvlinops.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradkit._bench._case import Case, Method, Target
+from gradkit._digits import make_model
 from gradkit.accumulate import Accumulator, activation_bytes
-from gradkit.cli._train import make_model
 
 __all__ = ["build_cases"]
 

@@ -28,10 +28,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
-import os
-import resource
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +36,7 @@ import torch
 
 from gradkit import hyper, optim
 from gradkit._bench._case import Case, Method, Target
+from gradkit._bench._memory import peak_rss_bytes, run_child
 
 __all__ = ["STEPS", "add_memory", "build_cases", "measure", "memory_child"]
 
@@ -75,12 +72,11 @@ class Problem:
 
     @classmethod
     def make(cls, seed: int) -> Problem:
-        from sklearn.datasets import load_digits
+        from gradkit._digits import bundled_digits
 
         gen = torch.Generator().manual_seed(seed)
-        bunch = load_digits()
-        x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-        y = torch.tensor(bunch.target, dtype=torch.long)
+        values, y = bundled_digits()
+        x = values / 16.0
         order = torch.randperm(len(y), generator=gen)
         tr, va = order[:N_TRAIN], order[N_TRAIN : N_TRAIN + N_VAL]
         y_train = y[tr].clone()
@@ -294,19 +290,6 @@ def build_cases(mode: str = "full") -> list[Case]:
 # -- peak memory, one subprocess per method ----------------------------------------------------
 
 
-def _peak_rss_bytes() -> int:
-    """This process's resident high-water mark (``VmHWM``; ``ru_maxrss`` where /proc lacks it)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
 def memory_child(argv: list[str]) -> None:
     """Subprocess entry: ``CASE METHOD STEPS THREADS SEED``. Builds the problem, runs METHOD with
     T = 2 (warm-up), then with STEPS; prints ``{"extra_bytes": ...}`` as JSON (or
@@ -322,27 +305,18 @@ def memory_child(argv: list[str]) -> None:
     out = fn(problem, 2, names)
     del out
     gc.collect()
-    before = _peak_rss_bytes()
+    before = peak_rss_bytes()
     out = fn(problem, int(steps), names)
-    after = _peak_rss_bytes()
+    after = peak_rss_bytes()
     print(json.dumps({"extra_bytes": after - before, "finite": bool(torch.isfinite(out).all())}))
 
 
 def measure(case: str, method: str, steps: int, *, threads: int = 1, seed: int = 0) -> float | None:
     """Extra peak memory (MB) of one hypergradient by ``method`` in a fresh process (None: a
     peer that is not installed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    code = "import sys; from gradkit._bench.hyper import memory_child; memory_child(sys.argv[1:])"
     args = [case, method, str(steps), str(threads), str(seed)]
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"hyper memory: the subprocess for {case}/{method} (T={steps}) failed "
-            f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}"
-        )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    what = f"hyper memory {case}/{method} (T={steps})"
+    result = run_child("gradkit._bench.hyper", args, threads, what)
     return None if result.get("skipped") else float(result["extra_bytes"]) / MB
 
 

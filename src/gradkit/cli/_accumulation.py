@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradkit._digits import Digits
 from gradkit.accumulate import Accumulator, AdaptiveBatchSize
-from gradkit.cli._train import Digits, evaluate
+from gradkit.cli._train import evaluate
 from gradkit.per_example import track
 
 __all__ = ["accumulation_markdown"]

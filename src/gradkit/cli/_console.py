@@ -1,6 +1,9 @@
-"""Terminal output of the CLI: progress bars and the demo's summary table (rich).
+"""Terminal output of the CLI: progress bars and the demo's summary table (rich), and the
+torch state a command runs in (:func:`torch_scope`).
 
-Two bars cover a demo run: one over the training steps, then one over the report's sections
+A step bar (:func:`step_progress`) follows a run's steps: the demo's training, the hyper-steps of
+``gradkit hyperclean``. Two bars cover a demo run: one over the training steps, then one over
+the report's sections
 (the section running, a note on what it is doing, elapsed time, and a spinner that keeps
 turning through long sections). They are shown only when asked for *and* stderr is an
 interactive terminal (not a pipe, a file, a CI log or ``TERM=dumb``); ``FORCE_COLOR`` alone
@@ -11,21 +14,26 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
+
+import torch
 
 from gradkit.cli._report import Report
 
 __all__ = [
     "SectionProgress",
+    "StepCallback",
     "interactive",
     "print_summary",
     "section_progress",
-    "training_progress",
+    "step_progress",
+    "torch_scope",
 ]
 
-StepCallback = Callable[[int, float], None]
+StepCallback = Callable[[int, Mapping[str, float]], None]
+"""``on_step(step, metrics)``: called after each step of a run (e.g. a progress bar)."""
 
 
 def interactive(stream: TextIO) -> bool:
@@ -44,19 +52,30 @@ def interactive(stream: TextIO) -> bool:
 
 
 @contextmanager
-def training_progress(
-    total_steps: int, *, enabled: bool, console: Any = None
+def step_progress(
+    title: str,
+    total: int,
+    *,
+    fields: Mapping[str, str],
+    enabled: bool,
+    console: Any = None,
 ) -> Iterator[StepCallback]:
-    """A rich progress bar over training steps; yields the ``on_step(step, loss)`` callback.
+    """A rich progress bar over ``total`` steps; yields the ``on_step(step, metrics)`` callback.
 
     Args:
-        total_steps: steps in the whole run.
+        title: the bar's label (``"training"``).
+        total: steps in the whole run.
+        fields: the metrics shown next to the bar, key -> format with its label
+            (``{"loss": "loss {:.4f}"}``); each ``metrics`` passed to ``on_step`` holds them.
         enabled: the user's choice (``--no-progress`` gives False).
         console: a ``rich.console.Console``; default one on stderr.
+
+    Without a terminal (or with ``enabled=False``) nothing is drawn and ``on_step`` does
+    nothing.
     """
     stream = console.file if console is not None else sys.stderr
     if not (enabled and interactive(stream)):
-        yield lambda step, loss: None
+        yield lambda step, metrics: None
         return
     from rich.console import Console
     from rich.progress import (
@@ -68,21 +87,24 @@ def training_progress(
         TimeRemainingColumn,
     )
 
+    shown = "  ".join(f"{{task.fields[{key}]}}" for key in fields)
     progress = Progress(
-        TextColumn("[bold]training"),
+        TextColumn(f"[bold]{title}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
+        TextColumn(shown),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console if console is not None else Console(stderr=True),
         transient=False,
     )
     with progress:
-        task = progress.add_task("training", total=total_steps, loss="-")
+        blank: dict[str, Any] = {key: form.split("{")[0] + "-" for key, form in fields.items()}
+        task = progress.add_task(title, total=total, **blank)
 
-        def on_step(step: int, loss: float) -> None:
-            progress.update(task, completed=step, loss=f"{loss:.4f}")
+        def on_step(step: int, metrics: Mapping[str, float]) -> None:
+            values: dict[str, Any] = {k: form.format(metrics[k]) for k, form in fields.items()}
+            progress.update(task, completed=step, **values)
 
         yield on_step
 
@@ -211,3 +233,17 @@ def print_summary(report: Report, wall_seconds: float, *, stream: TextIO | None 
         table.add_row(name, value)
     Console(file=out).print(table)
     print(f"report: {report.directory / 'report.md'}", file=out)
+
+
+@contextmanager
+def torch_scope(threads: int | None) -> Iterator[None]:
+    """A command's run: torch's thread count set to ``threads`` (``None``: as it is), both it
+    and the global RNG restored afterwards."""
+    before = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)

@@ -1,9 +1,9 @@
 """``gradkit demo``: train a small CNN on the bundled digits and write a report about it.
 
-The run is a list of section functions (:data:`SECTIONS`), each ``(ctx, report) -> None``:
-it reads the trained model and data from the :class:`DemoContext` and adds one section to the
-:class:`~gradkit.cli._report.Report`. A new feature shows itself in the demo by appending its
-own section function; nothing else changes.
+The run is a list of section functions (:data:`SECTIONS`), each ``(ctx, report) -> None``
+(the protocol is in :mod:`._sections`): it reads the trained model and data from the
+:class:`DemoContext` and adds one section to the :class:`~gradkit.cli._report.Report`. A new
+feature shows itself in the demo by appending its own section function; nothing else changes.
 
 Output: ``<out>/<timestamp>/report.md`` with PNG figures and ``metrics.json``, written only
 inside that folder. Progress (rich: the training steps, then the section running and what it is
@@ -15,106 +15,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from gradkit import __version__
+from gradkit._digits import load_digits, make_model
 from gradkit.cli._accumulation import accumulation_markdown
+from gradkit.cli._console import torch_scope
 from gradkit.cli._gradstats import GradStatsRecorder, gradient_stats_markdown
 from gradkit.cli._hyperclean_demo import hyperparameter_section
 from gradkit.cli._report import Plot, Report
+from gradkit.cli._sections import DemoConfig, DemoContext, Section, section_title
 from gradkit.cli._sharpness import sharpness_markdown
 from gradkit.cli._showcase import hessian_spectrum, hvp_cost, input_jacobian
-from gradkit.cli._train import Digits, TrainResult, load_digits, make_model, train
+from gradkit.cli._train import TrainResult, train
 
-__all__ = ["SECTIONS", "DemoConfig", "DemoContext", "Section", "run_demo", "section_title"]
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """The demo's settings; :meth:`from_args` fills quick-mode defaults."""
-
-    out: str = "runs"
-    quick: bool = False
-    epochs: int = 6
-    seed: int = 0
-    threads: int | None = None
-    progress: bool = True
-    batch_size: int = 32
-    lr: float = 1e-2
-    max_train: int | None = None
-    max_test: int | None = None
-    hessian_batch: int = 512
-    power_steps: int = 30
-    timing_repeats: int = 20
-    stats_every: int = 5
-    hyper_inner_steps: int = 200
-    hyper_steps: int = 60
-    hyper_lr: float = 0.02
-    rtho_steps: int = 400
-
-    @classmethod
-    def from_args(
-        cls,
-        *,
-        out: str,
-        quick: bool,
-        epochs: int | None,
-        seed: int,
-        threads: int | None,
-        progress: bool,
-    ) -> DemoConfig:
-        """Settings from the command line; ``--quick`` trains 2 epochs on 640 examples."""
-        if quick:
-            return cls(
-                out=out,
-                quick=True,
-                epochs=epochs or 2,
-                seed=seed,
-                threads=threads,
-                progress=progress,
-                max_train=640,
-                max_test=300,
-                hessian_batch=256,
-                power_steps=12,
-                timing_repeats=5,
-                stats_every=2,
-                hyper_inner_steps=60,
-                hyper_steps=15,
-                hyper_lr=0.1,
-                rtho_steps=100,
-            )
-        return cls(
-            out=out, epochs=epochs or cls.epochs, seed=seed, threads=threads, progress=progress
-        )
-
-
-@dataclass
-class DemoContext:
-    """What the sections read: settings, data, the trained model and its history.
-
-    ``extras`` is for sections that share results with later ones (e.g. statistics gathered
-    during training); keys are the producing section's name. ``note(text)`` shows what a
-    long section is doing next to the progress bar (it does nothing without one).
-    """
-
-    config: DemoConfig
-    data: Digits
-    model: nn.Module
-    result: TrainResult
-    generator: torch.Generator
-    train_seconds: float
-    extras: dict[str, Any] = field(default_factory=dict)
-    note: Callable[[str], None] = field(default=lambda text: None)
-
-
-Section = Callable[[DemoContext, Report], None]
+__all__ = ["SECTIONS", "run_demo"]
 
 
 def setup_section(ctx: DemoContext, report: Report) -> None:
@@ -285,19 +204,6 @@ SECTIONS: list[Section] = [
 ]
 
 
-@contextmanager
-def _scoped_torch_state(threads: int | None) -> Iterator[None]:
-    """Set torch's thread count for the run; restore it and the global RNG afterwards."""
-    before = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):
-        if threads is not None:
-            torch.set_num_threads(threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-
 def run_demo(
     config: DemoConfig, *, sections: list[Section] | None = None, console: Any = None
 ) -> Report:
@@ -311,7 +217,7 @@ def run_demo(
     Returns:
         The saved report (``report.directory`` holds its files).
     """
-    from gradkit.cli._console import section_progress, training_progress
+    from gradkit.cli._console import section_progress, step_progress
 
     run_start = time.perf_counter()
     report = Report.open(
@@ -325,7 +231,7 @@ def run_demo(
         },
     )
     report.header["run"] = report.directory.name
-    with _scoped_torch_state(config.threads):
+    with torch_scope(config.threads):
         torch.manual_seed(config.seed)
         generator = torch.Generator().manual_seed(config.seed)
         data = load_digits(config.seed, max_train=config.max_train, max_test=config.max_test)
@@ -333,7 +239,13 @@ def run_demo(
         steps = config.epochs * math.ceil(data.sizes[0] / config.batch_size)
         start = time.perf_counter()
         recorder = GradStatsRecorder(model, config.stats_every)
-        with training_progress(steps, enabled=config.progress, console=console) as on_step:
+        with step_progress(
+            "training",
+            steps,
+            fields={"loss": "loss {:.4f}"},
+            enabled=config.progress,
+            console=console,
+        ) as on_step:
             result = train(
                 model,
                 data,
@@ -357,14 +269,3 @@ def run_demo(
         report.header["seconds"] = round(time.perf_counter() - run_start, 2)
         report.save()
     return report
-
-
-def section_title(section: Section) -> str:
-    """The name the progress bar shows for a section function.
-
-    Examples:
-        >>> section_title(accumulation_section)
-        'accumulation'
-    """
-    name = getattr(section, "__name__", "section")
-    return name.removesuffix("_section").replace("_", " ")

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gradkit import hyper, optim
+from gradkit.cli._console import StepCallback
 from gradkit.cli._hyperclean_data import HypercleanData
 
 __all__ = [
@@ -198,9 +198,6 @@ class CleaningResult:
             "corrupted": self.corrupted,
             "radius": self.radius,
         }
-
-
-StepCallback = Callable[[int, dict[str, float]], None]
 
 
 def hyperclean(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from gradkit._digits import bundled_digits
 from gradkit.cli._hyperclean_files import (
     NPZ_FIX,
     DataError,
@@ -23,7 +24,6 @@ from gradkit.cli._hyperclean_files import (
     read_idx_folder,
     read_npz,
 )
-from gradkit.cli._train import bundled_digits
 
 __all__ = ["DataError", "HypercleanData", "Source", "load_source", "make_split", "read_idx"]
 

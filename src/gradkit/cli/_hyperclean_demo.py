@@ -12,21 +12,19 @@ box projection), all under the demo's seed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from gradkit import hyper, optim
+from gradkit._digits import Digits, make_model
 from gradkit.cli._hyperclean import cross_entropy, hyperclean
 from gradkit.cli._hyperclean_data import load_source, make_split
 from gradkit.cli._hyperclean_report import markdown_table, result_table
 from gradkit.cli._report import Plot, Report, figure_token
-from gradkit.cli._train import Digits, make_model
-
-if TYPE_CHECKING:
-    from gradkit.cli._demo import DemoContext
+from gradkit.cli._sections import DemoContext
 
 __all__ = ["hyperparameter_section", "rtho_run"]
 

@@ -1,36 +1,27 @@
-"""``gradkit hyperclean``: run the experiment, write its run folder, print the summary.
-
-The run folder ``<out>/<timestamp>/`` holds ``report.md`` (settings, the result table and
-three figures: the learned weights of clean and corrupted examples, the outer loss over the
-hyper-steps, the accuracy and flagging quality over the hyper-steps) and ``results.json``
-(the headline numbers first: ``baseline_accuracy``, ``oracle_accuracy``, ``cleaned_accuracy``,
-``f1``, ...; then settings, history and the learned weights). Nothing is written elsewhere.
+"""The report of ``gradkit hyperclean``: its markdown (settings, the result table), its three
+figures (the learned weights of clean and corrupted examples, the outer loss over the
+hyper-steps, the accuracy and flagging quality over the hyper-steps) and the summary printed
+at the end. The run itself is :mod:`._hyperclean_run`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from gradkit import __version__
-from gradkit.cli._console import interactive
-from gradkit.cli._hyperclean import CleaningResult, HypercleanConfig, StepCallback, hyperclean
-from gradkit.cli._hyperclean_data import HypercleanData, load_source, make_split
-from gradkit.cli._report import Plot, Report, figure_token
+from gradkit.cli._hyperclean import CleaningResult, HypercleanConfig
+from gradkit.cli._hyperclean_data import HypercleanData
+from gradkit.cli._report import Plot, figure_token
 
 __all__ = [
     "hyperclean_figures",
     "markdown_table",
     "print_hyperclean_summary",
+    "report_markdown",
     "result_table",
-    "run_hyperclean",
 ]
 
 
@@ -138,7 +129,7 @@ def hyperclean_figures(
     ]
 
 
-def _markdown(config: HypercleanConfig, data: HypercleanData, result: CleaningResult) -> str:
+def report_markdown(config: HypercleanConfig, data: HypercleanData, result: CleaningResult) -> str:
     n_train, n_val, n_test = data.sizes
     sec = result.seconds
     settings = markdown_table(
@@ -196,125 +187,6 @@ corrupted ones.
 
 {figure_token("accuracy")}
 """
-
-
-@contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextmanager
-def _progress(total: int, *, enabled: bool, console: Any = None) -> Iterator[StepCallback]:
-    stream = console.file if console is not None else sys.stderr
-    if not (enabled and interactive(stream)):
-        yield lambda step, metrics: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(
-        TextColumn("[bold]hyper-cleaning"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("validation loss {task.fields[loss]}  F1 {task.fields[f1]}"),
-        TimeElapsedColumn(),
-        console=console if console is not None else Console(stderr=True),
-    )
-    with progress:
-        task = progress.add_task("hyper-cleaning", total=total, loss="-", f1="-")
-
-        def on_step(step: int, metrics: dict[str, float]) -> None:
-            progress.update(
-                task,
-                completed=step,
-                loss=f"{metrics['outer_loss']:.4f}",
-                f1=f"{metrics['f1']:.3f}",
-            )
-
-        yield on_step
-
-
-def run_hyperclean(config: HypercleanConfig, *, console: Any = None) -> tuple[Path, dict[str, Any]]:
-    """Run the experiment of ``config`` and write its run folder.
-
-    Returns:
-        ``(run folder, results)``; ``results`` is what ``results.json`` holds.
-
-    Raises:
-        DataError: ``config.data`` names a file that cannot be used.
-    """
-    started = time.perf_counter()
-    with _torch_threads(config.threads), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        data = make_split(load_source(config.data), config.seed, quick=config.quick)
-        report = Report.open(
-            Path(config.out),
-            "gradkit hyperclean",
-            header={
-                "gradkit": __version__,
-                "torch": torch.__version__,
-                "seed": config.seed,
-                "mode": "quick" if config.quick else "full",
-                "threads": torch.get_num_threads(),
-            },
-        )
-        with _progress(config.hyper_steps, enabled=config.progress, console=console) as on_step:
-            result = hyperclean(
-                data,
-                inner_steps=config.inner_steps,
-                hyper_steps=config.hyper_steps,
-                lr=config.lr,
-                hyper_lr=config.hyper_lr,
-                threshold=config.threshold,
-                on_step=on_step,
-            )
-        wall = time.perf_counter() - started
-        report.header["seconds"] = round(wall, 2)
-        report.add_section(
-            "Data hyper-cleaning",
-            _markdown(config, data, result),
-            hyperclean_figures(result, data),
-        )
-    n_train, n_val, n_test = data.sizes
-    results: dict[str, Any] = {
-        **result.summary(),
-        "detection": result.detection,
-        "data": {
-            "description": data.description,
-            "train": n_train,
-            "validation": n_val,
-            "test": n_test,
-            "classes": data.num_classes,
-            "features": int(data.x_train.shape[1]),
-        },
-        "config": {
-            "quick": config.quick,
-            "data": config.data,
-            "seed": config.seed,
-            "threads": config.threads,
-            "inner_steps": config.inner_steps,
-            "hyper_steps": config.hyper_steps,
-            "lr": config.lr,
-            "hyper_lr": config.hyper_lr,
-            "threshold": config.threshold,
-        },
-        "versions": {"gradkit": __version__, "torch": torch.__version__},
-        "seconds": {**result.seconds, "wall": wall},
-        "history": result.history,
-        "weights": result.weights.tolist(),
-        "corrupted_indices": data.corrupted.nonzero()[:, 0].tolist(),
-    }
-    (report.directory / "report.md").write_text(report.to_markdown(), encoding="utf-8")
-    (report.directory / "results.json").write_text(
-        json.dumps(results, indent=1, allow_nan=False) + "\n", encoding="utf-8"
-    )
-    return report.directory, results
 
 
 def print_hyperclean_summary(

@@ -206,7 +206,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
         return 2
     from gradkit.cli._console import print_summary
-    from gradkit.cli._demo import DemoConfig, run_demo
+    from gradkit.cli._demo import run_demo
+    from gradkit.cli._sections import DemoConfig
 
     config = DemoConfig.from_args(
         out=args.out,
@@ -257,7 +258,8 @@ def _cmd_hyperclean(args: argparse.Namespace) -> int:
         return 2
     from gradkit.cli._hyperclean import HypercleanConfig
     from gradkit.cli._hyperclean_data import DataError
-    from gradkit.cli._hyperclean_report import print_hyperclean_summary, run_hyperclean
+    from gradkit.cli._hyperclean_report import print_hyperclean_summary
+    from gradkit.cli._hyperclean_run import run_hyperclean
 
     config = HypercleanConfig.from_args(
         out=args.out,
