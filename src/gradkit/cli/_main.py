@@ -22,7 +22,7 @@ import importlib
 import importlib.util
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import cast
 
 from gradkit._version import __version__
@@ -186,8 +186,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, commands
 
 
-def _missing(deps: Sequence[tuple[str, str]]) -> list[str]:
-    return [dist for module, dist in deps if importlib.util.find_spec(module) is None]
+def _demo_extra_missing(command: str) -> bool:
+    """Say on stderr which packages of the demo extra ``command`` lacks; False if none."""
+    missing = [dist for module, dist in _DEMO_DEPS if importlib.util.find_spec(module) is None]
+    if missing:
+        print(
+            f"gradkit {command}: needs {', '.join(missing)}; install the demo extra: "
+            "pip install 'gradkit[demo]'",
+            file=sys.stderr,
+        )
+    return bool(missing)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -197,13 +205,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    missing = _missing(_DEMO_DEPS)
-    if missing:
-        print(
-            f"gradkit demo: needs {', '.join(missing)}; install the demo extra: "
-            "pip install 'gradkit[demo]'",
-            file=sys.stderr,
-        )
+    if _demo_extra_missing("demo"):
         return 2
     from gradkit.cli._console import print_summary
     from gradkit.cli._demo import run_demo
@@ -248,13 +250,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_hyperclean(args: argparse.Namespace) -> int:
-    missing = _missing(_DEMO_DEPS)
-    if missing:
-        print(
-            f"gradkit hyperclean: needs {', '.join(missing)}; install the demo extra: "
-            "pip install 'gradkit[demo]'",
-            file=sys.stderr,
-        )
+    if _demo_extra_missing("hyperclean"):
         return 2
     from gradkit.cli._hyperclean import HypercleanConfig
     from gradkit.cli._hyperclean_data import DataError
