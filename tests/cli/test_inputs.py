@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from gradkit.cli import main
-from gradkit.cli._sections import DemoConfig
 from gradkit.cli._hyperclean import QUICK_HYPER_STEPS, QUICK_INNER_STEPS, HypercleanConfig
 from gradkit.cli._main import build_parser
 from gradkit.cli._options import MAX_EPOCHS, MAX_STEPS, MAX_THREADS
+from gradkit.cli._sections import DemoConfig
 
 
 def _exit_code(argv: list[str]) -> tuple[int, str]:

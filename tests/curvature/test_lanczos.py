@@ -85,7 +85,7 @@ def test_eigenvalue_errors():
         eigenvalues(A, k=6)
     with pytest.raises(ValueError, match=r"which: expected one of 'largest', 'smallest'"):
         eigenvalues(A, which="LA")
-    with pytest.raises(ValueError, match=r"max_iter: expected an int >= 3, got 2; raise max_iter to at least k \(3\)"):
+    with pytest.raises(ValueError, match=r"max_iter: expected an int >= 3, got 2; .* k \(3\)"):
         eigenvalues(A, k=3, max_iter=2)
 
 
