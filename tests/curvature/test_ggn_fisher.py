@@ -109,6 +109,8 @@ def test_likelihood_callable_soft_targets_and_errors():
         Fisher(model, loss_fn, (x, y), kind="empirical", samples=3)
     with pytest.raises(ValueError, match=r"kind: expected one of 'mc', 'empirical'"):
         Fisher(model, loss_fn, (x, y), kind="true")
+    with pytest.raises(TypeError, match=r"Fisher\(Sequential\): generator: expected a torch\."):
+        Fisher(model, loss_fn, (x, y), generator=0)
     seq = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (3, 2))).to(D)
     with pytest.raises(ValueError, match=r"logits of shape \[N, C\]"):
         Fisher(seq, loss_fn, (x, y[:, None].expand(32, 2)))

@@ -35,7 +35,14 @@ from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
 from gradkit.curvature._vectors import FlatVectors
 
-__all__ = ["DENSE_MAX", "CurvatureOperator", "Layout", "Point"]
+__all__ = [
+    "DENSE_MAX",
+    "CurvatureOperator",
+    "Layout",
+    "Point",
+    "exact_diagonal_of",
+    "operator_call",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -368,3 +375,22 @@ class CurvatureOperator(FlatVectors):
                 "augmentation) and the model must be deterministic (model.eval() turns dropout "
                 "off)"
             )
+
+
+# -- what the estimators read from an operator (they live in other modules) ----------------
+
+
+def operator_call(op: CurvatureOperator) -> str:
+    """How ``op`` is named in error messages, e.g. ``"Hessian(Sequential)"``."""
+    return op._call
+
+
+def exact_diagonal_of(
+    op: CurvatureOperator, *, max_size: int, max_memory: int, call: str
+) -> torch.Tensor:
+    """``diag(op)`` ``[P]`` by the operator's own exact method (per-example gradients for the
+    GGN and the Fisher, per-example Hessian blocks for a sequential MLP's Hessian, else ``P``
+    products with unit vectors up to ``max_size``), once its parameters are checked to be still
+    the model's. ``call`` names the estimator in errors."""
+    op._check_params()
+    return op._exact_diagonal(max_size=max_size, max_memory=max_memory, call=call)

@@ -27,7 +27,7 @@ from gradkit._params import LossFn
 from gradkit._params import select_params as choose
 from gradkit._validate import check_choice
 
-__all__ = ["Data", "LossFn", "find_error_nodes", "select_params"]
+__all__ = ["Data", "LossFn", "check_generator", "find_error_nodes", "select_params"]
 
 Batch = tuple[Any, torch.Tensor]
 T = TypeVar("T")
@@ -62,6 +62,22 @@ def select_params(
             )
         )
     return chosen
+
+
+def check_generator(generator: Any, call: str) -> torch.Generator | None:
+    """``generator`` if it is a ``torch.Generator`` or ``None``, else a TypeError naming
+    ``call`` (Fisher's samples and the estimators' probes take one)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            message(
+                call,
+                "generator",
+                "a torch.Generator or None",
+                describe(generator),
+                "pass torch.Generator().manual_seed(0)",
+            )
+        )
+    return generator
 
 
 def _is_pair(data: Any) -> bool:

@@ -21,7 +21,8 @@ import torch
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_int
-from gradkit.curvature._base import DENSE_MAX, CurvatureOperator
+from gradkit.curvature._base import DENSE_MAX, CurvatureOperator, exact_diagonal_of, operator_call
+from gradkit.curvature._data import check_generator
 from gradkit.curvature._diag import unit_diagonal
 
 __all__ = ["Estimate", "LinearOp", "diagonal", "label", "probe_generator", "trace"]
@@ -107,26 +108,20 @@ class LinearOp:
 
 def label(op: Any) -> str:
     """How an operator is named in error messages."""
+    if isinstance(op, CurvatureOperator):
+        return operator_call(op)
+    # gradkit.func.HVPOperator keeps the call that built it (e.g. "hvp_operator(f)") privately
     return str(getattr(op, "_call", type(op).__name__))
 
 
 def probe_generator(generator: torch.Generator | None, call: str) -> torch.Generator:
     """``generator``, or a CPU generator seeded from torch's global one (``torch.manual_seed``
     then makes estimates reproducible)."""
-    if generator is None:
+    checked = check_generator(generator, call)
+    if checked is None:
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         return torch.Generator().manual_seed(seed)
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(
-            message(
-                call,
-                "generator",
-                "a torch.Generator or None",
-                describe(generator),
-                "pass torch.Generator().manual_seed(0)",
-            )
-        )
-    return generator
+    return checked
 
 
 def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -134,20 +129,31 @@ def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> t
     return (z.to(torch.float64) * 2 - 1).to(device)
 
 
-def _check_probes(probes: Any, minimum: int, call: str, method: str) -> int:
+class _Probes(NamedTuple):
+    """The products of Hutch++ (``method="hutch++"``) or Hutchinson (``"hutchinson"``, ``s =
+    0``): ``Q`` ``[n, s]`` orthonormal, spanning ``A S`` for ``s = probes // 3`` Rademacher
+    columns ``S``, ``AQ = A Q``, and ``Z`` ``[n, m]``, the ``m = probes - 2 s`` Rademacher
+    probes of the Hutchinson part; ``probes`` is the checked count."""
+
+    Q: torch.Tensor
+    AQ: torch.Tensor
+    Z: torch.Tensor
+    probes: int
+
+
+def _probes(
+    A: LinearOp, probes: Any, method: str, generator: torch.Generator | None, call: str
+) -> _Probes:
+    gen = probe_generator(generator, call)
     fix = f"pass more probes for method={method!r}, e.g. probes=100"
-    return check_int(probes, call, "probes", low=minimum, fix=fix)
-
-
-def _sketch(
-    A: LinearOp, probes: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Hutch++'s split of ``probes`` products: ``Q`` (``[n, s]``) spanning ``A S`` for ``s =
-    probes // 3`` Rademacher columns, ``A Q``, and the number of Hutchinson probes left."""
-    s = probes // 3
-    Y = A(_rademacher(A.n, s, gen, A.device))
-    Q = torch.linalg.qr(Y).Q
-    return Q, A(Q), probes - 2 * s
+    minimum = 2 if method == "hutchinson" else 5
+    probes = check_int(probes, call, "probes", low=minimum, fix=fix)
+    s = probes // 3 if method == "hutch++" else 0
+    Q = AQ = torch.zeros(A.n, 0, dtype=torch.float64, device=A.device)
+    if s:
+        Q = torch.linalg.qr(A(_rademacher(A.n, s, gen, A.device))).Q
+        AQ = A(Q)
+    return _Probes(Q, AQ, _rademacher(A.n, probes - 2 * s, gen, A.device), probes)
 
 
 def exact_diagonal(op: Any, *, max_size: int, max_memory: int, call: str) -> torch.Tensor:
@@ -156,8 +162,7 @@ def exact_diagonal(op: Any, *, max_size: int, max_memory: int, call: str) -> tor
     if isinstance(op, torch.Tensor):
         return op.diagonal().clone()
     if isinstance(op, CurvatureOperator):
-        op._check_params()
-        d = op._exact_diagonal(max_size=max_size, max_memory=max_memory, call=call)
+        d = exact_diagonal_of(op, max_size=max_size, max_memory=max_memory, call=call)
         if not bool(torch.isfinite(d).all()):
             raise GradkitError(
                 f"{call}: the exact diagonal has nan or inf entries (the loss or its curvature "
@@ -214,19 +219,11 @@ def trace(
         d = exact_diagonal(op, max_size=max_size, max_memory=max_memory, call=call)
         value = d.to(torch.float64).sum()
         return Estimate(value, torch.zeros_like(value), 0)
-    gen = probe_generator(generator, call)
-    m = _check_probes(probes, 2 if method == "hutchinson" else 5, call, method)
-    base = torch.zeros((), dtype=torch.float64, device=A.device)
-    if method == "hutch++":
-        Q, AQ, m = _sketch(A, probes, gen)
-        base = (Q * AQ).sum()
-        Z = _rademacher(A.n, m, gen, A.device)
-        Z = Z - Q @ (Q.T @ Z)
-    else:
-        Z = _rademacher(A.n, m, gen, A.device)
+    Q, AQ, Z, probes = _probes(A, probes, method, generator, call)
+    Z = Z - Q @ (Q.T @ Z)  # deflated: the Hutchinson part sees (I - QQ^T) A (I - QQ^T)
     samples = (Z * A(Z)).sum(0)
-    value = base + samples.mean()
-    return Estimate(value, samples.std() / m**0.5, probes)
+    value = (Q * AQ).sum() + samples.mean()
+    return Estimate(value, samples.std() / Z.shape[1] ** 0.5, probes)
 
 
 def diagonal(
@@ -282,18 +279,9 @@ def diagonal(
     if method == "exact":
         d = exact_diagonal(op, max_size=max_size, max_memory=max_memory, call=call)
         return Estimate(d, torch.zeros_like(d), 0)
-    gen = probe_generator(generator, call)
-    m = _check_probes(probes, 2 if method == "hutchinson" else 5, call, method)
-    base = torch.zeros(A.n, dtype=torch.float64, device=A.device)
-    if method == "hutch++":
-        Q, AQ, m = _sketch(A, probes, gen)
-        base = (Q * AQ).sum(1)
-        Z = _rademacher(A.n, m, gen, A.device)
-        AZ = A(Z)
-        samples = Z * (AZ - Q @ (Q.T @ AZ))
-    else:
-        Z = _rademacher(A.n, m, gen, A.device)
-        samples = Z * A(Z)
-    value = base + samples.mean(1)
-    stderr = samples.std(1) / m**0.5
+    Q, AQ, Z, probes = _probes(A, probes, method, generator, call)
+    AZ = A(Z)
+    samples = Z * (AZ - Q @ (Q.T @ AZ))  # the Hutchinson part of diag((I - QQ^T) A)
+    value = (Q * AQ).sum(1) + samples.mean(1)
+    stderr = samples.std(1) / Z.shape[1] ** 0.5
     return Estimate(value.to(A.dtype), stderr.to(A.dtype), probes)

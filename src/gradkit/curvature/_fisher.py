@@ -30,7 +30,7 @@ from torch import nn
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_int
 from gradkit.curvature._base import CurvatureOperator, Point
-from gradkit.curvature._data import LossFn
+from gradkit.curvature._data import LossFn, check_generator
 from gradkit.curvature._diag import factor_diagonal
 from gradkit.curvature._ggn import JPoint
 
@@ -157,10 +157,7 @@ class Fisher(CurvatureOperator):
                 )
             )
         self.samples = samples
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                message(call, "generator", "a torch.Generator", describe(generator), "pass one")
-            )
+        generator = check_generator(generator, call)
         self.likelihood: Likelihood | None = None
         if kind == "mc":
             lik = _infer(self._data.loss_fn) if likelihood is None else likelihood
