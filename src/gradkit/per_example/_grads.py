@@ -48,6 +48,12 @@ class PerExampleGrad:
         """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""
         raise NotImplementedError
 
+    def scaled_chunks(self, size: int, scale: float) -> Iterator[tuple[torch.Tensor, bool]]:
+        """Blocks as :meth:`chunks`, each with whether ``scale`` is already applied (a form
+        may fold it into a smaller factor than the block, saving a pass over the block)."""
+        for block in self.chunks(size):
+            yield block, False
+
     def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         """``sum_n (scale * g_n) ** p`` (shaped like the parameter) by a closed form, or None.
         The result is a fresh tensor the caller may keep."""
@@ -100,8 +106,10 @@ class OuterProduct(PerExampleGrad):
         self.o = G.shape[-1]
         self.shape = shape
 
-    def _block(self, start: int, stop: int) -> torch.Tensor:
+    def _block(self, start: int, stop: int, scale: float = 1.0, on_a: bool = False) -> torch.Tensor:
         a, g = self.A[start:stop], self.G[start:stop]
+        if scale != 1.0:
+            a, g = (a * scale, g) if on_a else (a, g * scale)
         if self.T == 1 and self.groups == 1:  # outer products: a broadcast multiply
             out = g[:, 0, 0, :, None] * a[:, 0, 0, None, :]
         elif self.groups == 1:
@@ -113,6 +121,18 @@ class OuterProduct(PerExampleGrad):
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.num_examples, size):
             yield self._block(start, min(start + size, self.num_examples))
+
+    def scaled_chunks(self, size: int, scale: float) -> Iterator[tuple[torch.Tensor, bool]]:
+        """The blocks of ``scale * g_n``, the scale applied to the smallest of ``A``, ``G``
+        and the block (``T i``, ``T o`` or ``i o`` elements per example and group)."""
+        cost = {"a": self.T * self.i, "g": self.T * self.o, "block": self.i * self.o}
+        where = min(cost, key=cost.__getitem__) if scale != 1.0 else "block"
+        for start in range(0, self.num_examples, size):
+            stop = min(start + size, self.num_examples)
+            if where == "block":
+                yield self._block(start, stop), False
+            else:
+                yield self._block(start, stop, scale, where == "a"), True
 
     def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         if self.T != 1:

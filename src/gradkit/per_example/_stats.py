@@ -187,13 +187,17 @@ def add_block(
     if keep:  # all blocks are kept anyway: one block, no concatenation later
         chunk_size = max(chunk_size, pe.num_examples)
     if remaining or need_l2 or keep:
-        for block in pe.chunks(chunk_size):
+        if pe.on_block is None:  # the scale may be folded into a factor of the block
+            blocks = pe.scaled_chunks(chunk_size, scale)
+        else:  # the layer's backward sums the unscaled blocks
+            blocks = ((b, False) for b in pe.chunks(chunk_size))
+        for block, scaled in blocks:
             if pe.on_block is not None:
                 pe.on_block(block)
             g = block.to(acc.dtype)  # fresh blocks are scaled and squared in place
             if g is block and not pe.owned:
                 g = g.clone()
-            if scale != 1.0:
+            if scale != 1.0 and not scaled:
                 g.mul_(scale)
             if keep:
                 acc.grads.append(g)
