@@ -114,11 +114,10 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     and hooks the graph autograd builds, which a compiled trace of it would not do. Outside
     ``torch.compile`` it costs one flag read (``torch.compiler.disable`` alone costs ~20 us per
     call)."""
-    disabled = torch.compiler.disable(hook)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
+            return torch.compiler.disable(hook)(*args, **kwargs)
         return hook(*args, **kwargs)
 
     return run
@@ -165,8 +164,9 @@ class Tracker(TrackerResults):
         self._max_memory = max_memory
         self._chunk_size = chunk_size
         self._model = model
-        self._names = {id(p): n for n, p in model.named_parameters()}
-        self._params = {id(p): p for p in model.parameters()}
+        named = list(model.named_parameters())
+        self._names = {id(p): n for n, p in named}
+        self._params = {id(p): p for _, p in named}
         self._accs: dict[int, PowerSums] = {}
         register_available()  # rules for third-party layers whose library the user imported
         dims = inner_batch_dims(modules, batch_dim, given_dims)
@@ -176,7 +176,7 @@ class Tracker(TrackerResults):
                 param = self._params[pid]
                 self._accs.setdefault(pid, PowerSums(param.shape, statistics_dtype(param.dtype)))
         if not self._accs:
-            total = sum(1 for _ in model.parameters())
+            total = len(self._params)
             raise ValueError(
                 message(
                     call,
@@ -186,7 +186,7 @@ class Tracker(TrackerResults):
                     "unfreeze the parameters to track (p.requires_grad_(True))",
                 )
             )
-        self._frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        self._frozen = {n for n, p in named if not p.requires_grad}
         self._handles: list[Any] = []
         self._active = False
         self._callback_queued = False
