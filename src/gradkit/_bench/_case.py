@@ -10,10 +10,13 @@ the fastest of one or more named methods.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import operator
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch
 from gradkit._bench._timing import quantile, time_interleaved
 from gradkit.testing import tolerances
 
-__all__ = ["Case", "Method", "Settings", "Target", "flat", "run_case"]
+__all__ = ["Case", "Method", "Settings", "Target", "flat", "quiet", "run_case"]
 
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge}
 
@@ -32,6 +35,19 @@ def flat(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().reshape(-1)
     return torch.cat([flat(v) for v in value])
+
+
+@contextlib.contextmanager
+def quiet(*, stderr: bool = False) -> Iterator[None]:
+    """Silence warnings inside the block (peers' deprecated hooks and the like), for these calls
+    only; ``stderr``: also swallow what is printed there (e.g. a peer's import-time notes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if stderr:
+            with contextlib.redirect_stderr(io.StringIO()):
+                yield
+        else:
+            yield
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from gradkit._bench._case import quiet
 from gradkit._bench._memory import peak_rss_bytes, run_child
 from gradkit._bench._per_example_problems import MODELS, SMOKE_BATCH, make_problem
-from gradkit._bench._per_example_runner import Runner, error_of, quiet
+from gradkit._bench._per_example_runner import Runner, error_of
 
 __all__ = ["add_memory", "measure_memory", "memory_child"]
 

@@ -3,12 +3,10 @@ and torch.func, with the naive reductions and the reference they are compared wi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import traceback
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,18 +15,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import gradkit
-from gradkit._bench._case import flat
+from gradkit._bench._case import flat, quiet
 from gradkit._bench._per_example_problems import WORDS, Problem
 
-__all__ = ["Runner", "Variant", "error_of", "parts", "quiet", "reference", "relative"]
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence the warnings peers emit (deprecated hooks and the like), for their calls only."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+__all__ = ["Runner", "Variant", "error_of", "parts", "reference", "relative"]
 
 
 def _reduce(quantity: str, grads: list[torch.Tensor]) -> Any:

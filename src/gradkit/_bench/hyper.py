@@ -26,197 +26,21 @@ checkpointed reverse <= 60 MB, forward <= 20 MB at T and at T / 5, reverse at 10
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gradkit import hyper, optim
 from gradkit._bench._case import Case, Method, Target
+from gradkit._bench._hyper_problem import CASES, LR, MOMENTUM, N_TRAIN, N_VAL, Problem, installed
 from gradkit._bench._memory import peak_rss_bytes, run_child
 
 __all__ = ["STEPS", "add_memory", "build_cases", "measure", "memory_child"]
 
-LR, MOMENTUM = 0.1, 0.9
-N_TRAIN, N_VAL, HIDDEN, CLASSES, FEATURES = 1000, 500, 256, 10, 64
 STEPS = {"full": 1000, "quick": 200, "smoke": 10}
 LONG = 10  # the long-horizon memory check runs LONG x T steps
 MB = 1e6
-_PEERS = ("higher", "torchopt")
-
-Params = list[torch.Tensor]
-
-
-def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(logits, -1) - logits.gather(1, y[:, None])[:, 0]
-
-
-def _logits(p: Any, x: torch.Tensor) -> torch.Tensor:
-    w1, b1, w2, b2 = (p[k] for k in ("w1", "b1", "w2", "b2")) if isinstance(p, dict) else p
-    return torch.relu(x @ w1.T + b1) @ w2.T + b2
-
-
-@dataclass
-class Problem:
-    """Data, initial weights (``nn.Linear`` initialization, seeded) and hyperparameters."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
-    params0: dict[str, torch.Tensor]
-    module: torch.nn.Module
-
-    @classmethod
-    def make(cls, seed: int) -> Problem:
-        from gradkit._digits import bundled_digits
-
-        gen = torch.Generator().manual_seed(seed)
-        values, y = bundled_digits()
-        x = values / 16.0
-        order = torch.randperm(len(y), generator=gen)
-        tr, va = order[:N_TRAIN], order[N_TRAIN : N_TRAIN + N_VAL]
-        y_train = y[tr].clone()
-        bad = torch.randperm(N_TRAIN, generator=gen)[: N_TRAIN // 2]
-        y_train[bad] = (y_train[bad] + torch.randint(1, CLASSES, (len(bad),), generator=gen)) % 10
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            module = torch.nn.Sequential(
-                torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
-            )
-        names = ("w1", "b1", "w2", "b2")
-        params0 = {n: p.detach().clone() for n, p in zip(names, module.parameters(), strict=True)}
-        return cls(x[tr], y_train, x[va], y[va], params0, module)
-
-    @property
-    def state_bytes(self) -> int:
-        """``|s|`` in bytes: the weights and one momentum buffer, float32."""
-        return 2 * sum(p.numel() for p in self.params0.values()) * 4
-
-    def hypers(self) -> dict[str, torch.Tensor]:
-        """Fresh hyperparameter tensors: per-example weights (ones), lr, momentum."""
-        return {
-            "w": torch.ones(N_TRAIN),
-            "lr": torch.tensor(LR),
-            "momentum": torch.tensor(MOMENTUM),
-        }
-
-    def losses(
-        self, h: dict[str, torch.Tensor]
-    ) -> tuple[Callable[[Any, Any], torch.Tensor], Callable[[Any], torch.Tensor]]:
-        def inner(p: Any, batch: Any) -> torch.Tensor:
-            return (h["w"] * _cross_entropy(_logits(p, self.x), self.y)).mean()
-
-        def outer(p: Any) -> torch.Tensor:
-            return _cross_entropy(_logits(p, self.x_val), self.y_val).mean()
-
-        return inner, outer
-
-
-# -- the methods: each returns the hypergradient(s) as one flat tensor ----------------------------
-
-
-def unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
-    """The whole unrolled graph (``create_graph=True`` at every step), then one backward."""
-    h = {k: v.requires_grad_(k in names) for k, v in problem.hypers().items()}
-    inner, outer = problem.losses(h)
-    ps = [p.clone().requires_grad_(True) for p in problem.params0.values()]
-    bufs: Params = []
-    for t in range(steps):
-        gs = torch.autograd.grad(inner(ps, None), ps, create_graph=True)
-        bufs = (
-            list(gs) if t == 0 else [h["momentum"] * b + g for b, g in zip(bufs, gs, strict=True)]
-        )
-        ps = [p - h["lr"] * b for p, b in zip(ps, bufs, strict=True)]
-    grads = torch.autograd.grad(outer(ps), [h[k] for k in names])
-    return torch.cat([g.reshape(-1) for g in grads])
-
-
-def gradkit_engine(
-    problem: Problem, steps: int, names: tuple[str, ...], engine: str
-) -> torch.Tensor:
-    """``reverse``, ``reverse`` checkpointed every sqrt(T) steps, or ``forward``."""
-    h = problem.hypers()
-    inner, outer = problem.losses(h)
-    opt = optim.sgd(lr=h["lr"], momentum=h["momentum"])
-    chosen = {k: h[k] for k in names}
-    if engine == "forward":
-        grads = hyper.forward(inner, outer, problem.params0, opt, steps=steps, hyper=chosen)
-    else:
-        every = "sqrt" if engine == "reverse_ckpt" else None
-        grads = hyper.reverse(
-            inner, outer, problem.params0, opt, steps=steps, hyper=chosen, checkpoint_every=every
-        )
-    return torch.cat([grads[k].reshape(-1) for k in names])
-
-
-def higher_unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
-    """``higher.innerloop_ctx`` with ``torch.optim.SGD`` (per-example weights only)."""
-    import higher
-
-    h = {k: v.requires_grad_(k in names) for k, v in problem.hypers().items()}
-    module = problem.module
-    with torch.no_grad():
-        for p, p0 in zip(module.parameters(), problem.params0.values(), strict=True):
-            p.copy_(p0)
-    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    with higher.innerloop_ctx(module, opt, copy_initial_weights=True) as (fmodel, diffopt):
-        for _ in range(steps):
-            diffopt.step((h["w"] * _cross_entropy(fmodel(problem.x), problem.y)).mean())
-        value = _cross_entropy(fmodel(problem.x_val), problem.y_val).mean()
-        grads = torch.autograd.grad(value, [h[k] for k in names])
-    return torch.cat([g.reshape(-1) for g in grads])
-
-
-def torchopt_unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
-    """TorchOpt's functional ``sgd`` with ``inplace=False`` (per-example weights only)."""
-    import torchopt
-
-    h = {k: v.requires_grad_(k in names) for k, v in problem.hypers().items()}
-    inner, outer = problem.losses(h)
-    opt = torchopt.sgd(lr=LR, momentum=MOMENTUM)
-    ps = tuple(p.clone().requires_grad_(True) for p in problem.params0.values())
-    state = opt.init(ps)
-    for _ in range(steps):
-        gs = torch.autograd.grad(inner(list(ps), None), ps, create_graph=True)
-        updates, state = opt.update(gs, state, params=ps, inplace=False)
-        ps = tuple(torchopt.apply_updates(ps, updates, inplace=False))
-    grads = torch.autograd.grad(outer(list(ps)), [h[k] for k in names])
-    return torch.cat([g.reshape(-1) for g in grads])
-
-
-_WEIGHTS: dict[str, tuple[str, Callable[[Problem, int, tuple[str, ...]], torch.Tensor]]] = {
-    "unroll": ("plain unrolled graph (torch autograd, create_graph at every step)", unroll),
-    "reverse": (
-        "gradkit.hyper.reverse (stored states)",
-        lambda p, t, n: gradkit_engine(p, t, n, "reverse"),
-    ),
-    "reverse_ckpt": (
-        "gradkit.hyper.reverse, checkpoint_every='sqrt'",
-        lambda p, t, n: gradkit_engine(p, t, n, "reverse_ckpt"),
-    ),
-    "higher": ("higher.innerloop_ctx + torch.optim.SGD", higher_unroll),
-    "torchopt": ("torchopt.sgd, functional, inplace=False", torchopt_unroll),
-}
-_LR_MOMENTUM: dict[str, tuple[str, Callable[[Problem, int, tuple[str, ...]], torch.Tensor]]] = {
-    "unroll": _WEIGHTS["unroll"],
-    "reverse": _WEIGHTS["reverse"],
-    "forward": (
-        "gradkit.hyper.forward (2 tangent passes)",
-        lambda p, t, n: gradkit_engine(p, t, n, "forward"),
-    ),
-}
-_CASES = {
-    "hyper_weights": (("w",), _WEIGHTS),
-    "hyper_lr_momentum": (("lr", "momentum"), _LR_MOMENTUM),
-}
-
-
-def _installed(key: str) -> bool:
-    return key not in _PEERS or importlib.util.find_spec(key) is not None
 
 
 def _setup(problem: Problem, steps: int, what: str) -> dict[str, Any]:
@@ -237,8 +61,8 @@ def build_cases(mode: str = "full") -> list[Case]:
     steps = STEPS.get(mode, STEPS["full"])
     problem = Problem.make(torch.initial_seed() % 2**31)
     cases = []
-    for key, (names, methods) in _CASES.items():
-        available = {k: v for k, v in methods.items() if _installed(k)}
+    for key, (names, methods) in CASES.items():
+        available = {k: v for k, v in methods.items() if installed(k)}
         skipped = [k for k in methods if k not in available]
         what = "1000 per-example weights" if names == ("w",) else "(lr, momentum)"
         targets = [Target("gradkit reverse / plain unroll", "reverse", ("unroll",), "<=", 1.5)]
@@ -296,8 +120,8 @@ def memory_child(argv: list[str]) -> None:
     ``{"skipped": true}`` for a peer that is not installed)."""
     case, method, steps, threads, seed = argv
     torch.set_num_threads(int(threads))
-    names, methods = _CASES[case]
-    if not _installed(method):
+    names, methods = CASES[case]
+    if not installed(method):
         print(json.dumps({"skipped": True}))
         return
     fn = methods[method][1]
@@ -335,9 +159,9 @@ def add_memory(
     problem = Problem.make(seed)
     for case in cases:
         key = case["key"]
-        if key not in _CASES:
+        if key not in CASES:
             continue
-        _, methods = _CASES[key]
+        _, methods = CASES[key]
         rows: dict[str, float] = {}
         for method in methods:
             value = measure(key, method, steps, threads=threads, seed=seed)
