@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gradkit._bench import main
-from gradkit._bench._timing import num_threads, quantile, time_interleaved
+from gradkit._bench._timing import quantile, time_interleaved
+from gradkit._scope import torch_scope
 
 
 @pytest.mark.slow
@@ -81,10 +82,10 @@ def test_time_interleaved_calibrates_calls_per_sample():
 def test_quantile_and_threads():
     assert quantile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.5
     before = torch.get_num_threads()
-    with num_threads(1):
+    with torch_scope(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="positive int"), num_threads(0):
+    with pytest.raises(ValueError, match="an int >= 1"), torch_scope(0):
         pass
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from gradkit._scope import torch_scope
 from gradkit.cli import main
-from gradkit.cli._console import torch_scope
 from gradkit.cli._demo import SECTIONS
 from gradkit.cli._sections import section_title
 

@@ -32,7 +32,8 @@ import torch
 from gradkit._bench import accumulate, curvature, func, hyper, per_example
 from gradkit._bench._case import Case, Settings, run_case
 from gradkit._bench._report import render_markdown, summary_rows, write_outputs
-from gradkit._bench._timing import machine_info, num_threads
+from gradkit._bench._timing import machine_info
+from gradkit._scope import torch_scope
 
 __all__ = ["SUITES", "main", "run_suite"]
 
@@ -87,7 +88,7 @@ def run_suite(
         )
     settings = _MODES[mode]
     started = time.perf_counter()
-    with num_threads(threads), torch.random.fork_rng(devices=[]):
+    with torch_scope(threads):
         torch.manual_seed(seed)
         if models is not None:
             cases = _BY_MODELS[name](mode, models)

@@ -8,7 +8,6 @@ does. Results are plain dicts (JSON-ready), times in milliseconds per call.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import math
@@ -17,27 +16,14 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "num_threads", "quantile", "time_interleaved"]
+__all__ = ["machine_info", "quantile", "time_interleaved"]
 
 _CALIBRATE_BELOW_S = 1.0
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(n)``, restoring the previous count after."""
-    if n < 1:
-        raise ValueError(f"num_threads(n): n: expected a positive int, got {n}; pass e.g. 1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def quantile(values: Sequence[float], q: float) -> float:

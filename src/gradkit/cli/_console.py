@@ -1,5 +1,4 @@
-"""Terminal output of the CLI: progress bars and the demo's summary table (rich), and the
-torch state a command runs in (:func:`torch_scope`).
+"""Terminal output of the CLI: progress bars and the demo's summary table (rich).
 
 A step bar (:func:`step_progress`) follows a run's steps: the demo's training, the hyper-steps of
 ``gradkit hyperclean``. Two bars cover a demo run: one over the training steps, then one over
@@ -18,8 +17,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-import torch
-
 from gradkit.cli._report import Report
 
 __all__ = [
@@ -29,7 +26,6 @@ __all__ = [
     "print_summary",
     "section_progress",
     "step_progress",
-    "torch_scope",
 ]
 
 StepCallback = Callable[[int, Mapping[str, float]], None]
@@ -233,17 +229,3 @@ def print_summary(report: Report, wall_seconds: float, *, stream: TextIO | None 
         table.add_row(name, value)
     Console(file=out).print(table)
     print(f"report: {report.directory / 'report.md'}", file=out)
-
-
-@contextmanager
-def torch_scope(threads: int | None) -> Iterator[None]:
-    """A command's run: torch's thread count set to ``threads`` (``None``: as it is), both it
-    and the global RNG restored afterwards."""
-    before = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):
-        if threads is not None:
-            torch.set_num_threads(threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)

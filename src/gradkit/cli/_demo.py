@@ -23,8 +23,8 @@ import torch
 
 from gradkit import __version__
 from gradkit._digits import load_digits, make_model
+from gradkit._scope import torch_scope
 from gradkit.cli._accumulation import accumulation_markdown
-from gradkit.cli._console import torch_scope
 from gradkit.cli._gradstats import GradStatsRecorder, gradient_stats_markdown
 from gradkit.cli._hyperclean_demo import hyperparameter_section
 from gradkit.cli._report import Plot, Report

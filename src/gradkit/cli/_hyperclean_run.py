@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from gradkit import __version__
-from gradkit.cli._console import step_progress, torch_scope
+from gradkit._scope import torch_scope
+from gradkit.cli._console import step_progress
 from gradkit.cli._hyperclean import HypercleanConfig, hyperclean
 from gradkit.cli._hyperclean_data import load_source, make_split
 from gradkit.cli._hyperclean_report import hyperclean_figures, report_markdown
