@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradkit._bench._models import deepobs_3c3d, gpt2_lm, relu_mlp, seq_linear
+from gradkit._digits import load_digits, make_model
 
 __all__ = ["MODELS", "QUANTITIES", "SMOKE_BATCH", "WORDS", "Problem", "make_problem", "quantities"]
 
-MODELS = ("mlp", "seq", "3c3d", "gpt2")
+MODELS = ("mlp", "seq", "3c3d", "cnn", "gpt2")
 QUANTITIES = ("variance", "second_moment", "batch_l2", "batch_grad")
 QUANTITIES_OF = {"gpt2": ("variance", "batch_l2")}  # models that run only some quantities
 WORDS = {
@@ -24,7 +25,7 @@ WORDS = {
     "batch_l2": "per-example squared norms",
     "batch_grad": "per-example gradients",
 }
-SMOKE_BATCH = {"mlp": 8, "seq": 4, "3c3d": 4, "gpt2": 4}
+SMOKE_BATCH = {"mlp": 8, "seq": 4, "3c3d": 4, "cnn": 4, "gpt2": 4}
 
 
 def quantities(key: str) -> tuple[str, ...]:
@@ -132,6 +133,20 @@ def make_problem(key: str, seed: int, batch: int | None = None) -> Problem:
             deepobs_3c3d(),
             torch.randn(n, 3, 32, 32),
             torch.randint(0, 10, (n,)),
+            F.cross_entropy,
+            "mean",
+            "cross entropy (mean)",
+        )
+    if key == "cnn":
+        n = batch or 32
+        data = load_digits(seed, max_train=n)
+        return Problem(
+            key,
+            "demo CNN (gradkit demo: 2 convolutions, 2 linear layers, 18k parameters) on the "
+            "bundled digits",
+            make_model(),
+            data.x_train,
+            data.y_train,
             F.cross_entropy,
             "mean",
             "cross entropy (mean)",
