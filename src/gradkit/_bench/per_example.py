@@ -1,6 +1,6 @@
 """The ``per_example`` suite: gradkit.per_example against BackPACK, Opacus and torch.func.
 
-Models and peers follow moments.md sections 5 and 6, goals issue 13 (CPU, 1 thread; every
+Models and peers follow moments.md sections 5 and 6 (CPU, 1 thread; every
 row also has the target "gradkit / the fastest peer <= 1"):
 
 * ``mlp``: MLP 784-512-256-10 (ReLU), batch 128, cross entropy (mean);
@@ -71,7 +71,7 @@ _TITLES = {
     "batch_l2": "Per-example squared gradient norms (summed over parameters)",
     "batch_grad": "Per-example gradients",
 }
-_GOALS = {  # ratio to plain forward + backward (issue 13's goals, CPU, 1 thread)
+_GOALS = {  # ratio to plain forward + backward (CPU, 1 thread)
     ("mlp", "variance"): 1.5,
     ("mlp", "second_moment"): 1.45,
     ("mlp", "batch_l2"): 1.2,
