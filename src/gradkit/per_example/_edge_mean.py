@@ -80,13 +80,8 @@ class EdgeMean:
             for a in flat_leaves(inputs)
             if isinstance(a, torch.Tensor) and a.grad_fn is not None
         }
-        targets = {
-            torch.autograd.graph.get_gradient_edge(p).node: pid
-            for pid, p in params.items()
-            if p.is_leaf
-        }
-        edges = param_edges([t.grad_fn for t in outputs], stops, targets)
-        return cls(edges, {pid: node for node, pid in targets.items()})
+        edges, leaves = param_edges([t.grad_fn for t in outputs], stops, params)
+        return cls(edges, leaves)
 
     def by_node(self) -> dict[Node, list[tuple[int, int]]]:
         """``node -> [(k, id(parameter))]``: where to hook, and which inputs to read."""
@@ -137,11 +132,15 @@ class EdgeMean:
 
 
 def param_edges(
-    roots: Sequence[Node | None], stops: set[Node], targets: dict[Node, int]
-) -> dict[int, list[tuple[Node, int]]]:
-    """Edges ``(node, k)`` of the graph below ``roots`` whose k-th input is a target parameter,
-    not descending past ``stops`` (the graph that existed before the module's forward)."""
+    roots: Sequence[Node | None], stops: set[Node], params: Mapping[int, torch.Tensor]
+) -> tuple[dict[int, list[tuple[Node, int]]], dict[int, Node]]:
+    """Edges ``(node, k)`` of the graph below ``roots`` whose k-th input is the gradient
+    accumulator of one of ``params`` (``id -> parameter``, leaves), not descending past
+    ``stops`` (the graph that existed before the module's forward); and those accumulators.
+    An accumulator is recognized by its ``variable`` (no ``get_gradient_edge`` per parameter,
+    which builds a view each time)."""
     found: dict[int, list[tuple[Node, int]]] = {}
+    leaves: dict[int, Node] = {}
     seen: set[Node] = set()
     stack = [r for r in roots if r is not None]
     while stack:
@@ -152,8 +151,11 @@ def param_edges(
         for k, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
-            if nxt in targets:
-                found.setdefault(targets[nxt], []).append((node, k))
+            variable = getattr(nxt, "variable", None)
+            if variable is not None and params.get(id(variable)) is variable:
+                pid = id(variable)
+                found.setdefault(pid, []).append((node, k))
+                leaves[pid] = nxt
             else:
                 stack.append(nxt)
-    return found
+    return found, leaves

@@ -102,6 +102,7 @@ class OuterProduct(PerExampleGrad):
 
     def __init__(self, A: torch.Tensor, G: torch.Tensor, shape: torch.Size) -> None:
         self.A, self.G = A, G
+        self._sq: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_examples, self.T, self.groups, self.i = A.shape
         self.o = G.shape[-1]
         self.shape = shape
@@ -139,7 +140,7 @@ class OuterProduct(PerExampleGrad):
             return None
         a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
         if p == 2:
-            a, g = a.square(), g.square()
+            a, g = self._squares()
         elif p != 1:
             a, g = a.pow(p), g.pow(p)
         if scale != 1.0:  # on the smaller factor, before the product
@@ -148,13 +149,21 @@ class OuterProduct(PerExampleGrad):
             return (g[:, 0].T @ a[:, 0]).reshape(self.shape)
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
 
+    def _squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A**2, G**2)`` at the single position, computed once (the second moment and the
+        squared norms both need them)."""
+        if self._sq is None:
+            self._sq = self.A[:, 0].square(), self.G[:, 0].square()
+        return self._sq
+
     def gram_is_cheaper(self) -> bool:
         """Cost model: Gram norms ``T^2 (i + o)`` vs materializing ``T i o`` per group."""
         return self.T * (self.i + self.o) < self.i * self.o
 
     def sq_norms(self) -> torch.Tensor | None:
         if self.T == 1:
-            return (self.A[:, 0].square().sum(-1) * self.G[:, 0].square().sum(-1)).sum(-1)
+            a2, g2 = self._squares()
+            return (a2.sum(-1) * g2.sum(-1)).sum(-1)
         if not self.gram_is_cheaper():
             return None
         a = self.A.transpose(1, 2)  # [N, g, T, i]

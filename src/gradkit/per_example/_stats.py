@@ -201,15 +201,20 @@ def add_block(
                 g.mul_(scale)
             if keep:
                 acc.grads.append(g)
-            if need_l2:
-                acc.l2.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
+            squares = None
             for p in remaining:
                 if p == 1:
                     acc.add_sum(1, g.sum(0), owned=True)
                 elif p == 2 and not keep and p == remaining[-1]:
-                    acc.add_sum(2, g.square_().sum(0), owned=True)  # last use of the block
+                    squares = g.square_()  # the last use of the block, but for the norms
+                    acc.add_sum(2, squares.sum(0), owned=True)
                 else:
                     acc.add_sum(p, g.pow(p).sum(0), owned=True)
+            if need_l2:
+                if squares is None:
+                    acc.l2.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
+                else:
+                    acc.l2.append(squares.flatten(1).sum(1))
     acc.n += pe.num_examples
 
 
