@@ -77,7 +77,8 @@ def select_params(
         if given_order:
             chosen = {n: named[n] for n in wanted}
         else:
-            chosen = {n: p for n, p in named.items() if n in set(wanted)}
+            keep = set(wanted)
+            chosen = {n: p for n, p in named.items() if n in keep}
     if not chosen:
         raise ValueError(
             message(

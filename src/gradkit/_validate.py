@@ -247,6 +247,13 @@ def _check_int(
     *,
     optional: bool,
 ) -> int:
+    wrong_type = isinstance(value, bool) or not hasattr(value, "__index__")
+    number = 0 if wrong_type else operator.index(value)
+    if not (
+        wrong_type or (low is not None and number < low) or (high is not None and number > high)
+    ):
+        return number
+    # the message is built only for an error (the checks sit on per-call paths)
     fix = fix or f"pass e.g. {argument}={example if example is not None else (low or 1)}"
     if high is None:
         expected = "an int" if low is None else f"an int >= {low}"
@@ -256,12 +263,9 @@ def _check_int(
         expected = f"an int in [{low}, {high}]"
     if optional:
         expected = "None or " + expected
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    if wrong_type:
         raise TypeError(message(call, argument, expected, describe(value), fix))
-    number = operator.index(value)
-    if (low is not None and number < low) or (high is not None and number > high):
-        raise ValueError(message(call, argument, expected, repr(value), fix))
-    return number
+    raise ValueError(message(call, argument, expected, repr(value), fix))
 
 
 def check_number(
@@ -290,6 +294,16 @@ def check_number(
         ...
         ValueError: adam: eps: expected a finite number > 0, got 0.0; pass e.g. eps=...
     """
+    wrong_type = isinstance(value, bool) or not isinstance(value, Real)
+    number = math.nan if wrong_type else float(value)
+    bad = math.isnan(number) or (finite and math.isinf(number))
+    if low is not None:
+        bad = bad or (number <= low if low_open else number < low)
+    if high is not None:
+        bad = bad or (number >= high if high_open else number > high)
+    if not bad:
+        return number
+    # the message is built only for an error (the checks sit on per-call paths)
     fix = fix or f"pass e.g. {argument}={example if example is not None else '...'}"
     parts = []
     if low is not None:
@@ -299,17 +313,9 @@ def check_number(
     expected = ("a finite number" if finite else "a number") + (
         " " + " and ".join(parts) if parts else ""
     )
-    if isinstance(value, bool) or not isinstance(value, Real):
+    if wrong_type:
         raise TypeError(message(call, argument, expected, describe(value), fix))
-    number = float(value)
-    bad = math.isnan(number) or (finite and math.isinf(number))
-    if low is not None:
-        bad = bad or (number <= low if low_open else number < low)
-    if high is not None:
-        bad = bad or (number >= high if high_open else number > high)
-    if bad:
-        raise ValueError(message(call, argument, expected, repr(value), fix))
-    return number
+    raise ValueError(message(call, argument, expected, repr(value), fix))
 
 
 def check_callable(f: Any, call: str, argument: str = "f", what: str = "a function") -> None:

@@ -37,14 +37,16 @@ def _key(value: Any) -> tuple[str, int] | None:
     return None
 
 
-def leaves(value: Any) -> list[Any]:
-    """``tree_flatten(value)[0]``."""
-    key = _key(value)
-    if key is None:
-        return tree_flatten(value)[0]
+def _leaves_of(value: Any, key: tuple[str, int]) -> list[Any]:
     if key[0] == "tensor":
         return [value]
     return list(value[0] if key[0] == "call" else value)
+
+
+def leaves(value: Any) -> list[Any]:
+    """``tree_flatten(value)[0]``."""
+    key = _key(value)
+    return tree_flatten(value)[0] if key is None else _leaves_of(value, key)
 
 
 def flatten(value: Any) -> tuple[list[Any], TreeSpec]:
@@ -56,13 +58,13 @@ def flatten(value: Any) -> tuple[list[Any], TreeSpec]:
     if spec is None:
         spec = _SPECS[key] = tree_flatten(value)[1]
         _KIND[id(spec)] = key
-    return leaves(value), spec
+    return _leaves_of(value, key), spec
 
 
 def unflatten(values: list[Any], spec: TreeSpec) -> Any:
     """``tree_unflatten(values, spec)``."""
-    kind = _KIND.get(id(spec))
-    if kind is None or _SPECS.get(kind) is not spec:
+    kind = _KIND.get(id(spec))  # the cached specs live as long as the process: ids stay theirs
+    if kind is None:
         return tree_unflatten(values, spec)
     if kind[0] == "tensor":
         return values[0]
