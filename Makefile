@@ -9,13 +9,14 @@ PIP := $(PY) -m pip
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup setup-dev setup-bench torch demo test lint format bench clean
+.PHONY: help setup setup-dev setup-bench torch demo test test-gpu lint format bench bench-gpu clean
 
 help:
 	@echo "make demo   set up .venv and run 'gradkit demo' (report under runs/)"
 	@echo "make test   set up .venv with the dev extra and run the whole test suite"
 	@echo "make lint   ruff + mypy on src/"
 	@echo "make bench  gradkit against its peers, side by side (benchmarks/results/)"
+	@echo "make test-gpu / make bench-gpu  the same on CUDA (needs a CUDA torch in .venv)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,11 @@ demo: setup
 test: setup-dev
 	$(PY) -m pytest
 
+# Every test on the GPU (CPU-only tests are skipped, with the reason). The venv must hold a CUDA
+# build of torch: install it before the first make, as the CPU wheel is installed otherwise.
+test-gpu: setup-dev
+	GRADKIT_TEST_DEVICE=cuda $(PY) -m pytest tests
+
 lint: setup-dev
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
@@ -50,6 +56,9 @@ format: setup-dev
 
 bench: setup-bench
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
+bench-gpu: setup-bench
+	$(PY) benchmarks/run.py --device cuda --out benchmarks/results/cuda $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only  # the examples run as users run them, on the CPU
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 

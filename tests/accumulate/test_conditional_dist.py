@@ -19,7 +19,10 @@ from gradkit.testing import run_ranks
 
 from ._cond_helpers import Background
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+    pytest.mark.cpu_only,  # gloo worker processes
+]
 WORKER = pathlib.Path(__file__).with_name("_cond_dist_worker.py")
 
 

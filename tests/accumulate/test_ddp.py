@@ -13,7 +13,10 @@ import torch.distributed as dist
 
 from gradkit.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+    pytest.mark.cpu_only,  # gloo worker processes
+]
 WORKER = pathlib.Path(__file__).with_name("_ddp_worker.py")
 
 

@@ -10,6 +10,8 @@ from gradkit._bench import main
 from gradkit._bench._timing import quantile, time_interleaved
 from gradkit._scope import torch_scope
 
+pytestmark = pytest.mark.cpu_only  # the benchmark harness times and measures on the CPU
+
 
 @pytest.mark.slow
 def test_func_suite_smoke(tmp_path, capsys):
@@ -101,3 +103,48 @@ def test_other_suites_smoke(tmp_path, capsys, suite):
     result = json.loads((tmp_path / f"{suite}.json").read_text())
     assert result["suite"] == suite and result["summary"]["all_agree"]
     assert (tmp_path / f"{suite}.md").read_text().startswith(f"# gradkit benchmarks: {suite}")
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [("tpu", "expected 'cpu' or 'cuda[:N]', got 'tpu'"), ("meta", "got 'meta'")]
+    + ([] if torch.cuda.is_available() else [("cuda", "torch.cuda.is_available() is False")]),
+)
+def test_cli_rejects_a_device_it_cannot_time(tmp_path, capsys, device, says):
+    with pytest.raises(SystemExit) as info:
+        main(["--suite", "func", "--smoke", "--device", device, "--out", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "gradkit bench: error: --device: " in err and says in err
+    assert not (tmp_path / "func.json").exists()
+
+
+def test_cpu_runs_say_their_device_and_measure_no_device_memory(tmp_path):
+    assert main(["--suite", "accumulate", "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "accumulate.json").read_text())
+    assert result["machine"]["device"] == "cpu" and result["machine"]["device_name"] is None
+    assert all(m["peak_mib"] is None for c in result["cases"] for m in c["methods"])
+    assert "peak MiB" not in (tmp_path / "accumulate.md").read_text()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("suite", ["per_example", "func"])
+def test_cuda_smoke_times_with_events_and_reports_peak_memory(tmp_path, suite):
+    assert main(["--suite", suite, "--smoke", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / f"{suite}.json").read_text())
+    assert result["machine"]["device"].startswith("cuda")
+    assert result["machine"]["device_name"] == torch.cuda.get_device_name()
+    peaks = [m["peak_mib"] for c in result["cases"] for m in c["methods"]]
+    assert peaks and all(p is not None and p >= 0 for p in peaks)
+    assert "peak MiB" in (tmp_path / f"{suite}.md").read_text()
+
+
+@pytest.mark.cuda
+def test_cuda_samples_include_the_device_work():
+    """An event-timed sample waits for the kernels it queued: a large matmul chain takes
+    longer than the host needs to queue it."""
+    a = torch.randn(4096, 4096, device="cuda")
+    timings = time_interleaved(
+        {"mm": lambda: a @ a @ a @ a}, repeats=3, device=torch.device("cuda")
+    )
+    assert timings["mm"]["median_ms"] > 0.5

@@ -23,6 +23,8 @@ import torch
 from gradkit.cli import main
 from gradkit.cli._hyperclean_data import load_source
 
+pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
+
 Arrays = dict[str, np.ndarray]
 
 

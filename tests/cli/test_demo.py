@@ -20,6 +20,8 @@ from gradkit.cli import main
 from gradkit.cli._demo import SECTIONS
 from gradkit.cli._sections import section_title
 
+pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = [
     "training_curves.png",

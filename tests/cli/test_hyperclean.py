@@ -23,6 +23,8 @@ from gradkit.cli._hyperclean import QUICK_HYPER_STEPS
 from gradkit.cli._hyperclean_data import DataError, load_source, make_split, read_idx
 from gradkit.cli._hyperclean_demo import rtho_run
 
+pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["weights_histogram.png", "outer_loss.png", "accuracy.png"]
 KEYS = ("baseline_accuracy", "oracle_accuracy", "cleaned_accuracy", "f1", "precision", "recall")

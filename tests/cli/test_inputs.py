@@ -20,6 +20,8 @@ from gradkit.cli._main import build_parser
 from gradkit.cli._options import MAX_EPOCHS, MAX_STEPS, MAX_THREADS
 from gradkit.cli._sections import DemoConfig
 
+pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
+
 
 def _exit_code(argv: list[str]) -> tuple[int, str]:
     """``main(argv)``'s exit status (returned or raised) and its stderr."""

@@ -15,6 +15,8 @@ import gradkit
 from gradkit.cli import main
 from gradkit.cli._info import PEERS, collect_info, format_info, peer_version
 
+pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
+
 COMMANDS = ["demo", "info", "bench", "hyperclean"]
 
 

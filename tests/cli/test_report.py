@@ -14,6 +14,8 @@ from matplotlib.figure import Figure
 from gradkit.cli._console import interactive, step_progress
 from gradkit.cli._report import Plot, Report, figure_token, slug
 
+pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
+
 NOW = dt.datetime(2024, 5, 6, 7, 8, 9)
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only  # static type checks
+
 SNIPPET = """
 from __future__ import annotations
 

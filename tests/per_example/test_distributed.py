@@ -12,7 +12,10 @@ from torch import nn
 
 from gradkit.testing import per_example_grads, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+    pytest.mark.cpu_only,  # gloo worker processes
+]
 WORKER = pathlib.Path(__file__).with_name("_dist_worker.py")
 
 

@@ -35,7 +35,7 @@ from gradkit._bench._report import render_markdown, summary_rows, write_outputs
 from gradkit._bench._timing import machine_info
 from gradkit._scope import torch_scope
 
-__all__ = ["SUITES", "main", "run_suite"]
+__all__ = ["SUITES", "bench_device", "main", "run_suite"]
 
 SUITES: dict[str, Callable[[], list[Case]]] = {
     "func": func.build_cases,
@@ -74,13 +74,18 @@ def run_suite(
     seed: int = 0,
     memory: bool = False,
     models: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run one suite and return its results as a JSON-ready dict (nothing is written).
 
-    ``memory``: also measure peak memory where the suite does (in subprocesses, after timing).
+    ``memory``: also measure peak memory where the suite does (in subprocesses, after timing;
+    on CUDA every method's peak device memory is measured in process instead).
     ``models``: only these models (suites of ``_BY_MODELS``; None: all).
+    ``device``: where the models and data live (torch's default device while the suite runs);
+    on CUDA, times come from CUDA events after a synchronize.
     """
+    device = bench_device(device)
     if models is not None and name not in _BY_MODELS:
         raise ValueError(
             f"run_suite({name!r}): models: expected None for this suite (only "
@@ -88,7 +93,7 @@ def run_suite(
         )
     settings = _MODES[mode]
     started = time.perf_counter()
-    with torch_scope(threads):
+    with torch_scope(threads), torch.device(device):
         torch.manual_seed(seed)
         if models is not None:
             cases = _BY_MODELS[name](mode, models)
@@ -99,16 +104,16 @@ def run_suite(
             if log is not None:
                 log(f"[{name}] {case.key} ...")
             t0 = time.perf_counter()
-            results.append(run_case(case, settings))
+            results.append(run_case(case, settings, device))
             if log is not None:
                 log(f"[{name}] {case.key} done in {time.perf_counter() - t0:.1f} s")
         del cases
-    memory = memory and name in _MEMORY
+    memory = memory and name in _MEMORY and device.type == "cpu"
     if memory:
         _MEMORY[name](results, threads=threads, seed=seed, mode=mode, log=log)
     result: dict[str, Any] = {
         "suite": name,
-        "machine": machine_info(threads),
+        "machine": machine_info(threads, device),
         "config": {
             "mode": mode,
             "repeats": settings.repeats,
@@ -130,6 +135,26 @@ def run_suite(
         "seconds": time.perf_counter() - started,
     }
     return result
+
+
+def bench_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``: the CPU, or a CUDA device that is there."""
+    try:
+        out = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"gradkit bench: --device: expected 'cpu' or 'cuda[:N]', got {device!r} ({err})"
+        ) from None
+    if out.type not in ("cpu", "cuda"):
+        raise ValueError(f"gradkit bench: --device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"gradkit bench: --device: got {device!r}, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); install a CUDA build of torch, or leave --device out"
+        )
+    if out.type == "cuda" and out.index is None:
+        out = torch.device("cuda", torch.cuda.current_device())
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,6 +189,12 @@ def _parser() -> argparse.ArgumentParser:
         f"{', '.join(per_example.MODELS)} (default: all)",
     )
     p.add_argument(
+        "--device",
+        default="cpu",
+        help="where models and data live: cpu (default) or cuda[:N]; on CUDA, times come from "
+        "CUDA events after a synchronize and each method's peak device memory is reported",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("benchmarks/results"),
@@ -182,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.models is not None and names != ["per_example"]:
         parser.error(f"--models: expected --suite per_example, got --suite {args.suite}")
+    try:
+        device = bench_device(args.device)
+    except ValueError as err:
+        parser.error(str(err).removeprefix("gradkit bench: "))
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -190,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         memory = mode == "full" if args.memory is None else args.memory
         result = run_suite(
-            name, mode=mode, threads=args.threads, memory=memory, models=args.models, log=log
+            name,
+            mode=mode,
+            threads=args.threads,
+            memory=memory,
+            models=args.models,
+            device=device,
+            log=log,
         )
         json_path, md_path = write_outputs(result, args.out)
         print(render_markdown(result))

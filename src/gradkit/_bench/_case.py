@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradkit._bench._timing import quantile, time_interleaved
+from gradkit._bench._timing import peak_device_bytes, quantile, time_interleaved
 from gradkit.testing import tolerances
 
 __all__ = ["Case", "Method", "Settings", "Target", "flat", "quiet", "run_case"]
@@ -110,6 +110,10 @@ class Case:
     extras: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None
 
 
+def _mib(n: int | None) -> float | None:
+    return None if n is None else n / 2**20
+
+
 def _fastest(timings: dict[str, dict[str, Any]], keys: Sequence[str]) -> str:
     return min(keys, key=lambda k: timings[k]["median_ms"])
 
@@ -146,13 +150,23 @@ def _agreement(
     return summary, per_method
 
 
-def run_case(case: Case, settings: Settings) -> dict[str, Any]:
-    """Run ``case``: results and agreement first, then interleaved timing; a JSON-ready dict."""
+def run_case(case: Case, settings: Settings, device: torch.device | None = None) -> dict[str, Any]:
+    """Run ``case``: results and agreement first, then interleaved timing; a JSON-ready dict.
+
+    On a CUDA ``device`` the samples are timed with CUDA events, and each method's peak device
+    memory (``torch.cuda.max_memory_allocated`` beyond what was allocated before its call) is
+    reported as ``peak_mib``.
+    """
+    device = device or torch.device("cpu")
     values: dict[str, torch.Tensor] = {}
     first_s: dict[str, float] = {}
     for m in case.methods:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         out = m.fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         first_s[m.key] = time.perf_counter() - start
         if m.value is not None:
             values[m.key] = m.value(out).detach().clone()
@@ -160,6 +174,7 @@ def run_case(case: Case, settings: Settings) -> dict[str, Any]:
     extras = case.extras(values) if case.extras is not None else {}
     agreement, per_method = _agreement(case, values)
     del values
+    peak = {m.key: peak_device_bytes(m.fn, device) for m in case.methods}
 
     repeats = max(1, math.floor(settings.repeats * case.repeats_scale + 1e-9))
     fns = {m.key: m.fn for m in case.methods}
@@ -169,6 +184,7 @@ def run_case(case: Case, settings: Settings) -> dict[str, Any]:
         warmup=max(0, settings.warmup - 1),
         min_sample_s=settings.min_sample_s,
         call_s=first_s,
+        device=device,
     )
     base_key = _fastest(timings, case.baseline)
     base_ms = timings[base_key]["median_ms"]
@@ -190,6 +206,7 @@ def run_case(case: Case, settings: Settings) -> dict[str, Any]:
                 "ratio": t["median_ms"] / m.units / base_ms,
                 "paired_ratio_q1": quantile(paired, 0.25),
                 "paired_ratio_q3": quantile(paired, 0.75),
+                "peak_mib": _mib(peak[m.key]),
                 **per_method.get(m.key, {"max_abs_diff": None, "agree": None}),
             }
         )

@@ -60,17 +60,17 @@ def _case_table(case: dict[str, Any]) -> list[str]:
             f"{agree['max_abs_reference']:.2g}; tolerance rtol {agree['rtol']:g}, "
             f"atol {agree['atol']:g}): {'all agree' if agree['all_agree'] else 'MISMATCH'}."
         )
+    peak = any(m.get("peak_mib") is not None for m in case["methods"])
     lines += [
         "",
-        "| method | x baseline | paired IQR | max abs diff |",
-        "|---|---:|---:|---:|",
+        "| method | x baseline | paired IQR | max abs diff |" + (" peak MiB |" if peak else ""),
+        "|---|---:|---:|---:|" + ("---:|" if peak else ""),
     ]
     for m in case["methods"]:
         iqr = f"{_num(m['paired_ratio_q1'])}-{_num(m['paired_ratio_q3'])}"
         flag = "" if m["agree"] is not False else " (MISMATCH)"
-        lines.append(
-            f"| `{m['label']}` | {_num(m['ratio'])} | {iqr} | {_diff(m['max_abs_diff'])}{flag} |"
-        )
+        row = f"| `{m['label']}` | {_num(m['ratio'])} | {iqr} | {_diff(m['max_abs_diff'])}{flag} |"
+        lines.append(row + (f" {_num(m.get('peak_mib'), 1)} |" if peak else ""))
     for k, v in case["extras"].items():
         lines.append("")
         lines.append(f"{k}: {_diff(v) if isinstance(v, float) else v}")
@@ -78,6 +78,15 @@ def _case_table(case: dict[str, Any]) -> list[str]:
         lines += ["", note]
     lines.append("")
     return lines
+
+
+def _device_text(machine: dict[str, Any]) -> str:
+    if machine.get("device_name") is None:
+        return ""
+    return (
+        f", on {machine['device']} ({machine['device_name']}, CUDA {machine['cuda']}; times "
+        "from CUDA events, 'peak MiB' from torch.cuda.max_memory_allocated)"
+    )
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -88,8 +97,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"# gradkit benchmarks: {result['suite']}",
         "",
         f"torch {mach['torch']}, {mach['threads']} thread(s), {mach['cpu']} "
-        f"({mach['logical_cpus']} logical CPUs), {mach['date']}; {cfg['mode']} run "
-        f"({cfg['repeats']} interleaved rounds by default, scaled per case).",
+        f"({mach['logical_cpus']} logical CPUs){_device_text(mach)}, {mach['date']}; "
+        f"{cfg['mode']} run ({cfg['repeats']} interleaved rounds by default, scaled per case).",
         "",
         "Each row is the median time of a method divided by the median time of the case's",
         "baseline, measured side by side in one process (lower is faster); 'paired IQR' is the",

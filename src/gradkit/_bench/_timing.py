@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "quantile", "time_interleaved"]
+__all__ = ["machine_info", "peak_device_bytes", "quantile", "time_interleaved"]
 
 _CALIBRATE_BELOW_S = 1.0
 
@@ -36,11 +36,26 @@ def quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _sample(fn: Callable[[], Any], number: int) -> float:
-    """Seconds per call over ``number`` back-to-back calls, with the GC off."""
+def _sample(fn: Callable[[], Any], number: int, device: torch.device | None = None) -> float:
+    """Seconds per call over ``number`` back-to-back calls, with the GC off.
+
+    On a CUDA ``device`` the calls start after a synchronize and are timed by CUDA events
+    recorded around them: the time until the device has finished their work, not until the
+    host has queued it.
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            for _ in range(number):
+                fn()
+            end_event.record()
+            end_event.synchronize()
+            return start_event.elapsed_time(end_event) / 1e3 / number
         start = time.perf_counter()
         for _ in range(number):
             fn()
@@ -48,6 +63,21 @@ def _sample(fn: Callable[[], Any], number: int) -> float:
     finally:
         if enabled:
             gc.enable()
+
+
+def peak_device_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Bytes of device memory ``fn()`` allocates at its peak beyond what was allocated before
+    (``torch.cuda.max_memory_allocated``); None on the CPU, whose peak is measured in a
+    subprocess instead."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    del out
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def time_interleaved(
@@ -59,6 +89,7 @@ def time_interleaved(
     rewarm_s: float = 0.05,
     call_s: Mapping[str, float] | None = None,
     seed: int = 0,
+    device: torch.device | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time several callables round-robin and summarize each by its median.
 
@@ -84,6 +115,8 @@ def time_interleaved(
             it took over a second, else one more call; cheap callables take the fastest of
             that and two more calls.
         seed: seed of the order shuffle.
+        device: where the callables compute; on CUDA each sample is timed with events after a
+            synchronize (see :func:`_sample`).
 
     Returns:
         name -> ``{"median_ms", "q1_ms", "q3_ms", "min_ms", "max_ms", "repeats", "number",
@@ -97,13 +130,15 @@ def time_interleaved(
     once = dict(call_s or {})
     for name in names:
         for _ in range(warmup):
-            once[name] = _sample(fns[name], 1)
+            once[name] = _sample(fns[name], 1, device)
     if min_sample_s > 0 or rewarm_s > 0:
         for name in names:  # calibrate on warm calls, the fastest of three for cheap ones
             if name not in once or (warmup == 0 and once[name] <= _CALIBRATE_BELOW_S):
-                once[name] = _sample(fns[name], 1)
+                once[name] = _sample(fns[name], 1, device)
             if once[name] <= rewarm_s:
-                once[name] = min(once[name], _sample(fns[name], 1), _sample(fns[name], 1))
+                once[name] = min(
+                    once[name], _sample(fns[name], 1, device), _sample(fns[name], 1, device)
+                )
     numbers = dict.fromkeys(names, 1)
     for name, t in once.items():
         if min_sample_s > 0 and t > 0 and name in numbers:
@@ -117,7 +152,7 @@ def time_interleaved(
         for name in order:
             if rewarm[name]:
                 fns[name]()
-            samples[name].append(_sample(fns[name], numbers[name]) * 1e3)
+            samples[name].append(_sample(fns[name], numbers[name], device) * 1e3)
     return {
         name: {
             "median_ms": statistics.median(s),
@@ -144,8 +179,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    """What the numbers were measured on: versions, CPU, threads and the date (UTC)."""
+def machine_info(threads: int, device: torch.device | None = None) -> dict[str, Any]:
+    """What the numbers were measured on: versions, CPU, threads, the device (with its name and
+    CUDA version on a GPU) and the date (UTC)."""
     import numpy
 
     from gradkit import __version__
@@ -163,4 +199,11 @@ def machine_info(threads: int) -> dict[str, Any]:
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "device": str(device or "cpu"),
+        "device_name": (
+            torch.cuda.get_device_name(device)
+            if device is not None and device.type == "cuda"
+            else None
+        ),
+        "cuda": torch.version.cuda,
     }

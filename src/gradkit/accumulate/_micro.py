@@ -35,6 +35,7 @@ from gradkit.accumulate._batches import batch_size, split_batch
 from gradkit.accumulate._micro_checks import (
     batchnorm_in_training,
     check_ddp_forward,
+    check_deferred_counts,
     check_loss,
     check_max_grad_norm,
     check_optimizer_covers,
@@ -42,6 +43,7 @@ from gradkit.accumulate._micro_checks import (
     check_scheduler,
     find_ddp,
     is_bad,
+    read_counts,
     resolve_count,
 )
 from gradkit.accumulate._window import (
@@ -176,6 +178,7 @@ class Accumulator:
         self._count = 0.0
         self._micro_steps = 0
         self._bad: list[float] = []  # NaN, inf or negative counts of this window
+        self._tensor_counts: list[torch.Tensor] = []  # read once, in step()
 
     # -- the window ----------------------------------------------------------------------------
 
@@ -216,8 +219,11 @@ class Accumulator:
                 backpropagates: tokens for ``normalize="tokens"``; defaults to the micro-batch's
                 examples when :meth:`split` produced it. An int, a float or a one-element
                 tensor; ``0`` for an empty micro-batch (then :meth:`backward` may be left out).
-                A NaN, inf or negative count skips the window (``skip_nonfinite=True``) or
-                raises ``ValueError``.
+                A tensor (e.g. ``(labels != -100).sum()`` on the GPU) is not read here:
+                :meth:`step` reads the window's tensor counts together, so a micro-step never
+                waits for the device. A NaN, inf or negative count skips the window
+                (``skip_nonfinite=True``) or raises ``ValueError`` (for a tensor count, from
+                :meth:`step`, which then changes nothing).
 
         If the block raises after :meth:`backward`, the micro-step still counts (its gradient
         is in ``.grad``); if it raises before, nothing was added.
@@ -245,21 +251,30 @@ class Accumulator:
             raise
         finally:
             self._in_micro = False
-        if not self._backward_done and value != 0 and not is_bad(value):
-            raise GradkitError(
-                f"{call}: the micro-step with count={value:g} ended without "
-                "acc.backward(loss): its items would be counted with no gradient; call "
-                "acc.backward(summed_loss) inside the block (not loss.backward()), or pass "
-                "count=0 for an empty micro-batch; nothing was added to the window"
-            )
+        if not self._backward_done:
+            # the rare path that reads a tensor count before step(): a block without backward
+            known = float(value) if isinstance(value, torch.Tensor) else value
+            if known != 0 and not is_bad(known):
+                raise GradkitError(
+                    f"{call}: the micro-step with count={known:g} ended without "
+                    "acc.backward(loss): its items would be counted with no gradient; call "
+                    "acc.backward(summed_loss) inside the block (not loss.backward()), or pass "
+                    "count=0 for an empty micro-batch; nothing was added to the window"
+                )
         self._commit(value)
 
-    def _commit(self, value: float) -> None:
+    def _commit(self, value: float | torch.Tensor) -> None:
+        if isinstance(value, torch.Tensor):
+            self._tensor_counts.append(value)
+        else:
+            self._add_count(value)
+        self._micro_steps += 1
+
+    def _add_count(self, value: float) -> None:
         if is_bad(value):
             self._bad.append(value)
         else:
             self._count += value
-        self._micro_steps += 1
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate a micro-batch's **summed** loss (scaled by the AMP scaler if any)."""
@@ -309,6 +324,12 @@ class Accumulator:
         """(count, bad counts, micro-steps, sparse gradients, which parameters have a
         gradient), summed over the ranks: one small all-reduce."""
         params = self.params
+        if self._tensor_counts:  # one synchronization for the window's tensor counts
+            values = read_counts(self._tensor_counts)
+            check_deferred_counts(values, self.skip_nonfinite, "Accumulator.step()")
+            self._tensor_counts = []
+            for value in values:
+                self._add_count(value)
         present = [p.grad is not None for p in params]
         sparse = any(p.grad is not None and p.grad.is_sparse for p in params)
         values = [self._count, float(len(self._bad)), float(self._micro_steps), float(sparse)]

@@ -19,6 +19,7 @@ __all__ = [
     "as_count",
     "batchnorm_in_training",
     "check_ddp_forward",
+    "check_deferred_counts",
     "check_loss",
     "check_max_grad_norm",
     "check_optimizer_covers",
@@ -26,14 +27,17 @@ __all__ = [
     "check_scheduler",
     "find_ddp",
     "is_bad",
+    "read_counts",
     "resolve_count",
 ]
 
 
-def as_count(value: Any, call: str) -> float:
-    """A micro-step's ``count`` as a float: an int, a float or a 0-d real tensor (e.g.
-    ``(labels != -100).sum()``). NaN, inf and negative values are returned as they are: the
-    caller treats them like a non-finite gradient."""
+def as_count(value: Any, call: str) -> float | torch.Tensor:
+    """A micro-step's ``count``: an int or a float as a float; a one-element real tensor (e.g.
+    ``(labels != -100).sum()``) as a detached 0-d tensor, *not read*: reading it would wait
+    for the device, so the window reads all its tensor counts at once in ``step()``. NaN, inf
+    and negative values are returned as they are: the caller treats them like a non-finite
+    gradient."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.is_meta:
             raise TypeError(
@@ -45,7 +49,7 @@ def as_count(value: Any, call: str) -> float:
                     "pass e.g. count=int((labels != -100).sum())",
                 )
             )
-        return float(value.item())
+        return value.detach().reshape(())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             message(
@@ -66,10 +70,11 @@ def is_bad(count: float) -> bool:
 
 def resolve_count(
     count: Any, pending: int | None, normalize: str, skip_nonfinite: bool, call: str
-) -> float:
+) -> float | torch.Tensor:
     """The count of a micro-step: ``count`` itself, else the examples of the micro-batch
-    ``split`` just yielded (``pending``). A bad count (:func:`is_bad`) raises unless the
-    window is to be skipped for it (``skip_nonfinite``)."""
+    ``split`` just yielded (``pending``). A bad number (:func:`is_bad`) raises unless the
+    window is to be skipped for it (``skip_nonfinite``); a tensor is returned unread (see
+    :func:`as_count`) and checked by :func:`check_deferred_counts`."""
     if count is None:
         if normalize == "tokens":
             raise ValueError(
@@ -93,6 +98,8 @@ def resolve_count(
             )
         return float(pending or 0)
     value = as_count(count, call)
+    if isinstance(value, torch.Tensor):
+        return value
     if is_bad(value) and not skip_nonfinite:
         raise ValueError(
             message(
@@ -105,6 +112,33 @@ def resolve_count(
             )
         )
     return value
+
+
+def read_counts(counts: list[torch.Tensor]) -> list[float]:
+    """The values of the tensor counts of a window, read with one device synchronization."""
+    if not counts:
+        return []
+    device = counts[0].device
+    stacked = torch.stack([c.to(device=device, dtype=torch.float64) for c in counts])
+    return [float(v) for v in stacked.tolist()]
+
+
+def check_deferred_counts(values: list[float], skip_nonfinite: bool, call: str) -> None:
+    """Raise for a bad tensor count (read in ``step()``) unless the window is to be skipped."""
+    for k, value in enumerate(values):
+        if is_bad(value) and not skip_nonfinite:
+            raise ValueError(
+                message(
+                    call,
+                    "count",
+                    "a finite number >= 0 in every micro-step",
+                    f"{value!r} (a tensor count, read at step(), of the window's tensor "
+                    f"count number {k})",
+                    "pass the number (or total weight) of the items the summed loss covers; "
+                    "nothing was changed (with skip_nonfinite=True the window is skipped "
+                    "instead)",
+                )
+            )
 
 
 def check_max_grad_norm(value: Any, call: str) -> float | None:

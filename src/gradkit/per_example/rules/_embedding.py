@@ -2,8 +2,9 @@
 
 Example ``n`` looks up rows ``idx[n, t]``; its gradient is ``g_n[v] = sum_{t: idx[n,t]=v} G[n, t]``
 (repeated indices within one example are summed before any power; ``padding_idx`` rows get no
-gradient, as in PyTorch). The nonzero rows of all examples are formed once by an index-add over
-unique ``(n, v)`` pairs; powers and norms then cost ``O(#pairs * d)``.
+gradient, as in PyTorch). The nonzero rows of all examples are formed once by summing over equal
+``(n, v)`` pairs (:func:`sum_by_key`, which never waits for the device); powers and norms then
+cost ``O(#lookups * d)``.
 
 ``max_norm`` is exact: the forward renormalizes the rows it looks up in place, under no_grad,
 before the lookup; a row's renormalization depends on that row only and leaves it within
@@ -26,6 +27,24 @@ from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import statistics_dtype
 
 
+def sum_by_key(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of ``values`` (``[M, d]``) that have equal ``keys`` (``[M]``, int64).
+
+    Returns ``(key, summed)``, both of length ``M``: the first ``U`` entries hold the distinct
+    keys in ascending order and their sums, the other ``M - U`` hold key 0 and zero rows, which
+    add nothing to any power sum, norm or scatter. Unlike ``torch.unique``, whose output size
+    depends on the data (so it waits for the device to finish and reads it), every size here
+    follows from ``M``: nothing synchronizes with the host.
+    """
+    sorted_keys, order = torch.sort(keys, stable=True)
+    new = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    segment = torch.cumsum(new, 0) - 1
+    summed = values.new_zeros(values.shape).index_add_(0, segment, values[order])
+    key = torch.zeros_like(sorted_keys).scatter_(0, segment, sorted_keys)
+    return key, summed
+
+
 class EmbeddingGrad(PerExampleGrad):
     """Per-example embedding gradients as sparse rows ``(example, row, value)``.
 
@@ -40,10 +59,9 @@ class EmbeddingGrad(PerExampleGrad):
         n, _, d = grads.shape
         self.num_examples, self.shape = n, torch.Size((num_rows, d))
         keys = idx + torch.arange(n, device=idx.device)[:, None] * num_rows  # [N, T]
-        uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
-        self.rows = grads.new_zeros(uniq.numel(), d).index_add_(0, inverse, grads.reshape(-1, d))
-        self.example = uniq // num_rows
-        self.row = uniq % num_rows
+        key, self.rows = sum_by_key(keys.reshape(-1), grads.reshape(-1, d))
+        self.example = key // num_rows
+        self.row = key % num_rows
 
     def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor:
         vals = self.rows if p == 1 else self.rows.pow(p)
@@ -56,9 +74,13 @@ class EmbeddingGrad(PerExampleGrad):
 
     def scatter_into(self, block: torch.Tensor, start: int, stop: int) -> None:
         """Add examples ``start..stop`` into ``block`` (``[stop - start, *shape]``), in place."""
-        sel = (self.example >= start) & (self.example < stop)
-        rows = self.rows[sel].to(block.dtype)
-        block.index_put_((self.example[sel] - start, self.row[sel]), rows, accumulate=True)
+        # every row, those of other examples as zeros: a boolean selection would wait for the
+        # device to learn how many rows it keeps
+        example = self.example - start
+        inside = ((example >= 0) & (example < stop - start))[:, None]
+        rows = torch.where(inside, self.rows, 0).to(block.dtype)
+        index = (example.clamp(0, stop - start - 1), self.row)
+        block.index_put_(index, rows, accumulate=True)
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.num_examples, size):

@@ -43,7 +43,7 @@ from gradkit._errors import GradkitError, message
 from gradkit.per_example._grads import PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import statistics_dtype
-from gradkit.per_example.rules._embedding import EmbeddingGrad
+from gradkit.per_example.rules._embedding import EmbeddingGrad, sum_by_key
 
 _CALL = "per_example.track(model, ...)"
 _ARGS = ("input", "offsets", "per_sample_weights")  # EmbeddingBag.forward
@@ -72,11 +72,9 @@ class BagGrad(EmbeddingGrad):
     ) -> None:
         d = value.shape[-1]
         self.num_examples, self.shape = num_examples, torch.Size((num_rows, d))
-        keys = example * num_rows + row
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        self.rows = value.new_zeros(uniq.numel(), d).index_add_(0, inverse, value)
-        self.example = uniq // num_rows
-        self.row = uniq % num_rows
+        key, self.rows = sum_by_key(example * num_rows + row, value)
+        self.example = key // num_rows
+        self.row = key % num_rows
 
 
 def _who(module: nn.EmbeddingBag) -> str:
