@@ -28,6 +28,8 @@ from gradkit._bench.per_example import (
     quantities,
 )
 
+pytestmark = pytest.mark.cpu_only  # the benchmark harness times and measures on the CPU
+
 PEERS = {
     "backpack": importlib.util.find_spec("backpack") is not None,
     "opacus": importlib.util.find_spec("opacus") is not None,
@@ -49,6 +51,9 @@ def _check_peers(case):
 
 
 @pytest.mark.slow
+# the compiled case: torch.compile's own warnings (see tests/per_example/test_compile.py)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_per_example_suite_smoke(tmp_path, capsys):
     assert main(["--suite", "per_example", "--smoke", "--out", str(tmp_path)]) == 0
 
@@ -68,7 +73,21 @@ def test_per_example_suite_smoke(tmp_path, capsys):
     ]
     assert mismatches == []
     assert result["summary"]["all_agree"] is True
-    for case in result["cases"]:
+    compiled = result["cases"][-1]
+    assert compiled["key"] == "compiled_variance_batch_l2"
+    assert [m["key"] for m in compiled["methods"]] == [
+        "plain_compiled",
+        "gradkit_compiled",
+        "plain",
+        "gradkit",
+    ]
+    assert [m["agree"] for m in compiled["methods"]] == [None, True, None, True]
+    assert [t["name"] for t in compiled["targets"]] == [
+        "compiled tracked / compiled plain",
+        "eager tracked / eager plain",
+        "compiled plain / eager plain",
+    ]
+    for case in result["cases"][:-1]:
         methods = {m["key"]: m for m in case["methods"]}
         assert methods["plain"]["ratio"] == pytest.approx(1.0)
         assert methods["plain"]["agree"] is None  # timed for scale, nothing to compare

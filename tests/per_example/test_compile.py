@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradkit import GradkitError
 from gradkit.per_example import track
 from gradkit.testing import per_example_grads
 
@@ -59,4 +60,56 @@ def test_compiled_model_gives_the_oracle_statistics(backend: str) -> None:
     F.cross_entropy(torch.compile(plain, backend=backend)(x), y).backward()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(tracked_grads[name], p.grad, rtol=1e-12, atol=1e-14)
+    torch._dynamo.reset()
+
+
+_COMPILE_WARNINGS = (
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+    "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning",
+)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(5, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+
+@pytest.mark.filterwarnings(*_COMPILE_WARNINGS)
+def test_code_compiled_before_the_block_is_refused_with_what_to_do() -> None:
+    """torch.compile reuses code compiled without hooks (it does not guard on hooks added
+    later): the block sees no example, and the error says why and what to do."""
+    torch._dynamo.reset()
+    model = _model()
+    x, y = _data()
+    compiled = torch.compile(model, backend="aot_eager")
+    F.cross_entropy(compiled(x), y).backward()  # an untracked step compiles first
+    with track(model, "variance") as stats:
+        F.cross_entropy(compiled(x), y).backward()
+    with pytest.raises(GradkitError, match="skip_nnmodule_hook_guards .* set it to False"):
+        _ = stats["0.weight"].variance
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings(*_COMPILE_WARNINGS)
+def test_tracked_and_untracked_steps_of_one_compiled_model_alternate() -> None:
+    """With hook guards on, tracked and untracked calls compile once each and alternate: every
+    tracked step gives the oracle's statistics, every untracked one only p.grad."""
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        for step in range(4):
+            x, y = _data()
+            model.zero_grad(set_to_none=True)
+            if step % 2 == 0:
+                F.cross_entropy(compiled(x), y).backward()
+                continue
+            with track(model, "variance", "batch_l2") as stats:
+                F.cross_entropy(compiled(x), y).backward()
+            ref = per_example_grads(model, lambda o, t: F.cross_entropy(o, t), x, y)
+            for name, g in ref.items():
+                var = g.var(0, unbiased=False)
+                torch.testing.assert_close(stats[name].variance, var, rtol=1e-9, atol=1e-12)
+                torch.testing.assert_close(model.get_parameter(name).grad, g.mean(0))
+            l2 = sum(g.flatten(1).square().sum(1) for g in ref.values())
+            torch.testing.assert_close(stats.batch_l2(), l2, rtol=1e-10, atol=1e-12)
     torch._dynamo.reset()

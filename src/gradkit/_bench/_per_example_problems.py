@@ -16,16 +16,17 @@ from gradkit._digits import load_digits, make_model
 
 __all__ = ["MODELS", "QUANTITIES", "SMOKE_BATCH", "WORDS", "Problem", "make_problem", "quantities"]
 
-MODELS = ("mlp", "seq", "3c3d", "cnn", "gpt2")
+MODELS = ("mlp", "seq", "3c3d", "cnn", "gpt2", "compiled")
 QUANTITIES = ("variance", "second_moment", "batch_l2", "batch_grad")
-QUANTITIES_OF = {"gpt2": ("variance", "batch_l2")}  # models that run only some quantities
+# models that run only some quantities ("compiled": the demo CNN under torch.compile, one case)
+QUANTITIES_OF = {"gpt2": ("variance", "batch_l2"), "compiled": ("variance_batch_l2",)}
 WORDS = {
     "variance": "variance",
     "second_moment": "second moment",
     "batch_l2": "per-example squared norms",
     "batch_grad": "per-example gradients",
 }
-SMOKE_BATCH = {"mlp": 8, "seq": 4, "3c3d": 4, "cnn": 4, "gpt2": 4}
+SMOKE_BATCH = {"mlp": 8, "seq": 4, "3c3d": 4, "cnn": 4, "gpt2": 4, "compiled": 4}
 
 
 def quantities(key: str) -> tuple[str, ...]:

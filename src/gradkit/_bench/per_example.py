@@ -12,7 +12,10 @@ row also has the target "gradkit / the fastest peer <= 1"):
 * ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` of about 1.0M parameters (4 layers, width 128,
   tied head) on token ids ``[16, 64]``, called as ``model(input_ids=x).logits`` (the model
   broadcasts its ``[1, T]`` position ids over the batch), mean token cross entropy; variance and
-  per-example norms only. Skipped with a note when ``transformers`` is not installed.
+  per-example norms only. Skipped with a note when ``transformers`` is not installed;
+* ``compiled``: the demo CNN under ``torch.compile`` (inductor; ``aot_eager`` in smoke runs),
+  variance + per-example norms in one tracked step against the plain compiled step, the eager
+  steps beside them (no peer: none of them tracks a compiled model).
 
 For each model and each of variance, second moment, per-example squared norms (``batch_l2``,
 summed over parameters) and per-example gradients (``batch_grad``), every method runs one forward
@@ -42,6 +45,7 @@ import torch
 
 import gradkit
 from gradkit._bench._case import Case, Method, Target
+from gradkit._bench._per_example_compiled import compiled_case
 from gradkit._bench._per_example_memory import add_memory, measure_memory, memory_child
 from gradkit._bench._per_example_problems import (
     MODELS,
@@ -206,6 +210,9 @@ def build_cases(mode: str = "full", models: Sequence[str] = MODELS) -> list[Case
     cases: list[Case] = []
     skipped: list[str] = []
     for key in models:
+        if key == "compiled":
+            cases.append(compiled_case(mode, seed + MODELS.index(key)))
+            continue
         batch = SMOKE_BATCH[key] if mode == "smoke" else None
         try:
             problem = make_problem(key, seed + MODELS.index(key), batch)

@@ -13,6 +13,7 @@ statistic of no example raises.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,21 @@ __all__ = [
 ]
 
 QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")
+
+
+def _compiled_hint() -> str:
+    """Where torch.compile has compiled code in this process: why a compiled model may have run
+    without the hooks ``track`` installs, and what to do."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or not dynamo.utils.counters["frames"]["ok"]:
+        return ""
+    return (
+        ". If the model runs through torch.compile: code compiled before the block does not "
+        "call the hooks track() installs, as torch._dynamo.config.skip_nnmodule_hook_guards "
+        "is True by default; set it to False before the first compiled call (tracked and "
+        "untracked calls then compile once each), or call torch._dynamo.reset() before "
+        "the block"
+    )
 
 
 @dataclass(frozen=True)
@@ -255,7 +271,7 @@ class ParamStats:
                     "only over batches of 0 examples)",
                     "use track as a context manager and backpropagate inside it: "
                     "with gradkit.per_example.track(model, ...) as stats: loss.backward() "
-                    "(a batch of 0 examples contributes nothing)",
+                    "(a batch of 0 examples contributes nothing)" + _compiled_hint(),
                 )
             )
 
