@@ -7,11 +7,13 @@
   ``transformers`` is imported, its Conv1D and BART's embeddings; a vmap fallback for the rest
   that re-runs each example in the module's own layout (RNNs, attention, packed sequences);
 * :func:`replace_batchnorm`: BatchNorm -> GroupNorm, for models whose BatchNorm mixes examples;
+* :func:`release_buffers`: free the CPU storage of ``batch_grad`` kept for the next block;
 * derived quantities: :func:`noise_scale`, :func:`gradient_snr`, :func:`cabs_batch_size`.
 """
 
 from gradkit._validate import expose
 from gradkit.per_example._batchnorm import replace_batchnorm
+from gradkit.per_example._buffers import release_buffers
 from gradkit.per_example._derived import cabs_batch_size, gradient_snr, noise_scale
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, find_rule, register_rule
@@ -31,6 +33,7 @@ __all__ = [
     "gradient_snr",
     "noise_scale",
     "register_rule",
+    "release_buffers",
     "replace_batchnorm",
     "track",
 ]

@@ -48,11 +48,20 @@ class PerExampleGrad:
         """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""
         raise NotImplementedError
 
-    def scaled_chunks(self, size: int, scale: float) -> Iterator[tuple[torch.Tensor, bool]]:
+    def scaled_chunks(
+        self, size: int, scale: float, out: torch.Tensor | None = None
+    ) -> Iterator[tuple[torch.Tensor, bool]]:
         """Blocks as :meth:`chunks`, each with whether ``scale`` is already applied (a form
-        may fold it into a smaller factor than the block, saving a pass over the block)."""
+        may fold it into a smaller factor than the block, saving a pass over the block).
+        ``out`` (``[N, *shape]``, only given where :meth:`writes_into` says so and ``size >=
+        N``): the storage to compute the one block into."""
         for block in self.chunks(size):
             yield block, False
+
+    def writes_into(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`scaled_chunks` can compute all examples, in ``dtype``, into a given
+        tensor (reused storage: no fresh allocation per step)."""
+        return False
 
     def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         """``sum_n (scale * g_n) ** p`` (shaped like the parameter) by a closed form, or None.
@@ -107,23 +116,37 @@ class OuterProduct(PerExampleGrad):
         self.o = G.shape[-1]
         self.shape = shape
 
-    def _block(self, start: int, stop: int, scale: float = 1.0, on_a: bool = False) -> torch.Tensor:
+    def _block(
+        self,
+        start: int,
+        stop: int,
+        scale: float = 1.0,
+        on_a: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         a, g = self.A[start:stop], self.G[start:stop]
         if scale != 1.0:
             a, g = (a * scale, g) if on_a else (a, g * scale)
+        n = stop - start
+        into = None if out is None else out.view(n, self.o, self.i)
         if self.T == 1 and self.groups == 1:  # outer products: a broadcast multiply
-            out = g[:, 0, 0, :, None] * a[:, 0, 0, None, :]
+            block = torch.mul(g[:, 0, 0, :, None], a[:, 0, 0, None, :], out=into)
         elif self.groups == 1:
-            out = torch.bmm(g[:, :, 0].transpose(1, 2), a[:, :, 0])  # [n, o, i]
+            block = torch.bmm(g[:, :, 0].transpose(1, 2), a[:, :, 0], out=into)  # [n, o, i]
         else:
-            out = torch.einsum("ntgo,ntgi->ngoi", g, a)
-        return out.reshape(stop - start, *self.shape)
+            block = torch.einsum("ntgo,ntgi->ngoi", g, a)
+        return out if out is not None else block.reshape(n, *self.shape)
+
+    def writes_into(self, dtype: torch.dtype) -> bool:
+        return self.groups == 1 and self.A.dtype == dtype and self.G.dtype == dtype
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.num_examples, size):
             yield self._block(start, min(start + size, self.num_examples))
 
-    def scaled_chunks(self, size: int, scale: float) -> Iterator[tuple[torch.Tensor, bool]]:
+    def scaled_chunks(
+        self, size: int, scale: float, out: torch.Tensor | None = None
+    ) -> Iterator[tuple[torch.Tensor, bool]]:
         """The blocks of ``scale * g_n``, the scale applied to the smallest of ``A``, ``G``
         and the block (``T i``, ``T o`` or ``i o`` elements per example and group)."""
         cost = {"a": self.T * self.i, "g": self.T * self.o, "block": self.i * self.o}
@@ -131,9 +154,9 @@ class OuterProduct(PerExampleGrad):
         for start in range(0, self.num_examples, size):
             stop = min(start + size, self.num_examples)
             if where == "block":
-                yield self._block(start, stop), False
+                yield self._block(start, stop, out=out), False
             else:
-                yield self._block(start, stop, scale, where == "a"), True
+                yield self._block(start, stop, scale, where == "a", out=out), True
 
     def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         if self.T != 1:

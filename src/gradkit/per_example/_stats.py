@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, describe, message
+from gradkit.per_example._buffers import batch_grad_buffer
 from gradkit.per_example._grads import PerExampleGrad
 
 __all__ = [
@@ -139,6 +140,7 @@ class PowerSums:
     sums: dict[int, torch.Tensor] = field(default_factory=dict)
     l2: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
+    owner: torch.Tensor | None = None  # the parameter, whose batch_grad storage is reused
 
     def add_sum(
         self, p: int, value: torch.Tensor, alpha: float = 1.0, *, owned: bool = False
@@ -200,11 +202,18 @@ def add_block(
             acc.l2.append(l2_direct.to(acc.dtype) * scale**2)
     need_l2 = "batch_l2" in want.quantities and l2_direct is None
     keep = "batch_grad" in want.quantities
+    out = None
     if keep:  # all blocks are kept anyway: one block, no concatenation later
         chunk_size = max(chunk_size, pe.num_examples)
+        if acc.owner is not None and pe.on_block is None and pe.writes_into(acc.dtype):
+            out = batch_grad_buffer(acc.owner, (pe.num_examples, *pe.shape), acc.dtype)
     if remaining or need_l2 or keep:
         if pe.on_block is None:  # the scale may be folded into a factor of the block
-            blocks = pe.scaled_chunks(chunk_size, scale)
+            blocks = (
+                pe.scaled_chunks(chunk_size, scale)
+                if out is None  # (a user's subclass may not take `out`)
+                else pe.scaled_chunks(chunk_size, scale, out=out)
+            )
         else:  # the layer's backward sums the unscaled blocks
             blocks = ((b, False) for b in pe.chunks(chunk_size))
         for block, scaled in blocks:

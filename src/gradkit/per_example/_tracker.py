@@ -174,7 +174,8 @@ class Tracker(TrackerResults):
         for st in self._states:
             for pid in st.pids.values():
                 param = self._params[pid]
-                self._accs.setdefault(pid, PowerSums(param.shape, statistics_dtype(param.dtype)))
+                dtype = statistics_dtype(param.dtype)
+                self._accs.setdefault(pid, PowerSums(param.shape, dtype, owner=param))
         if not self._accs:
             total = len(self._params)
             raise ValueError(

@@ -1,0 +1,85 @@
+"""``batch_grad`` storage is reused from one ``track()`` block to the next on the CPU (no page
+faults of a fresh ``N x params`` tensor per step), and never while anything of the user's
+still refers to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradkit.per_example import release_buffers, track
+from gradkit.testing import per_example_grads
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    return model
+
+
+def _step(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (6,), generator=g)
+    model.zero_grad(set_to_none=True)
+    with track(model, "batch_grad") as stats:
+        F.cross_entropy(model(x), y).backward()
+    return stats, per_example_grads(model, F.cross_entropy, x, y)
+
+
+def test_storage_is_reused_once_the_user_dropped_it():
+    model = _setup()
+    stats, _ = _step(model, 0)
+    first = stats["0.weight"].batch_grad.data_ptr()
+    del stats
+    stats, ref = _step(model, 1)
+    assert stats["0.weight"].batch_grad.data_ptr() == first  # the same storage, refilled
+    torch.testing.assert_close(stats["0.weight"].batch_grad, ref["0.weight"], rtol=1e-12, atol=0)
+
+
+def test_results_the_user_holds_are_never_overwritten():
+    model = _setup()
+    held = []
+    for seed in range(5):  # the loop pattern: last step's stats still bound, plus what we keep
+        stats, ref = _step(model, seed)
+        grads = stats["0.weight"].batch_grad
+        torch.testing.assert_close(grads, ref["0.weight"], rtol=1e-12, atol=0)
+        kind = seed % 3
+        if kind == 0:
+            held.append((grads, ref["0.weight"]))  # the tensor itself
+        elif kind == 1:
+            held.append((grads[2:], ref["0.weight"][2:]))  # a view only
+        else:
+            held.append((torch.from_numpy(grads.numpy()), ref["0.weight"]))  # a NumPy array's
+        del grads
+    for got, want in held:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert isinstance(np.asarray(held[2][0]), np.ndarray)
+
+
+def test_micro_batches_and_changing_batch_sizes_stay_exact():
+    model = _setup()
+    for sizes in ([6], [4, 2], [3], [6]):
+        x = torch.randn(sum(sizes), 5, dtype=torch.float64)
+        y = torch.randint(0, 3, (sum(sizes),))
+        with track(model, "batch_grad", "variance", loss_reduction="sum") as stats:
+            for part_x, part_y in zip(x.split(sizes), y.split(sizes), strict=True):
+                F.cross_entropy(model(part_x), part_y, reduction="sum").backward()
+        ref = per_example_grads(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, y)
+        for name, g in ref.items():
+            torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-12, atol=1e-14)
+        model.zero_grad(set_to_none=True)
+
+
+def test_release_buffers_frees_the_pool_and_keeps_results():
+    model = _setup()
+    stats, ref = _step(model, 0)
+    kept = stats["0.weight"].batch_grad
+    first = kept.data_ptr()
+    release_buffers()
+    del stats
+    stats, _ = _step(model, 1)
+    assert stats["0.weight"].batch_grad.data_ptr() != first  # held by `kept`, not reused
+    torch.testing.assert_close(kept, ref["0.weight"], rtol=1e-12, atol=0)
