@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradkit.curvature import Estimate, Hessian, diagonal, trace
+from gradkit.curvature import ConvergenceWarning, Estimate, Hessian, diagonal, trace
 from gradkit.func import hvp_operator
 from gradkit.testing import assert_close
 
@@ -112,3 +112,36 @@ def test_estimator_errors():
         trace(torch.ones(3, 4))
     with pytest.raises(TypeError, match=r"generator: expected a torch.Generator or None"):
         trace(A, 6, generator=0)
+
+
+def _spectrum(lam: torch.Tensor) -> torch.Tensor:
+    n = lam.numel()
+    Q = torch.linalg.qr(torch.randn(n, n, dtype=D, generator=torch.Generator().manual_seed(2))).Q
+    return Q @ torch.diag(lam) @ Q.T
+
+
+@pytest.mark.parametrize("method", ["hutch++", "hutchinson"])
+def test_adaptive_trace_stops_at_the_requested_relative_error(method):
+    A = _spectrum(4 * torch.rand(120, dtype=D, generator=torch.Generator().manual_seed(4)) - 1)
+    exact = float(A.trace())
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        est = trace(A, 12, method=method, rtol=0.02, generator=gen)
+        assert float(est.stderr) <= 0.02 * abs(float(est.value))
+        assert 12 < est.probes <= 1000  # 12 products were not enough here
+        assert abs(float(est.value) - exact) <= 4 * float(est.stderr)
+
+
+def test_adaptive_trace_says_when_the_spectrum_keeps_it_from_the_tolerance():
+    signs = torch.tensor([1.0, -1.0], dtype=D).repeat(100)  # flat, indefinite: tr 2, ||A||_F 14
+    A = _spectrum(signs + 0.01)
+    with pytest.warns(ConvergenceWarning, match=r"standard error is .* after max_probes=60"):
+        est = trace(A, 20, rtol=0.05, max_probes=60, generator=torch.Generator().manual_seed(0))
+    assert est.probes == 60
+    assert float(est.stderr) > 0.05 * abs(float(est.value))
+
+
+def test_adaptive_trace_without_need_spends_only_the_first_probes():
+    A = torch.diag(torch.arange(1.0, 51.0, dtype=D))  # diagonal: every Rademacher sample exact
+    est = trace(A, 9, method="hutchinson", rtol=0.05, generator=torch.Generator().manual_seed(0))
+    assert est.probes == 9 and float(est.stderr) == 0.0

@@ -5,7 +5,9 @@
   ``op.dense()``, ``op.to_scipy()``, full or block-diagonal, one batch or many.
 * Functions on operators: :func:`diagonal` (exact where cheap, Hutchinson, Hutch++),
   :func:`trace` (Hutch++, Hutchinson, exact), :func:`eigenvalues` (Lanczos with full
-  reorthogonalization), :func:`spectral_density` (stochastic Lanczos quadrature).
+  reorthogonalization), :func:`spectral_density` (stochastic Lanczos quadrature),
+  :func:`solve` (conjugate gradients on ``op + damping``: Newton-CG, natural gradients,
+  influence functions).
 """
 
 from gradkit._validate import expose
@@ -15,16 +17,21 @@ from gradkit.curvature._fisher import Fisher
 from gradkit.curvature._ggn import GGN
 from gradkit.curvature._hessian import Hessian
 from gradkit.curvature._lanczos import SpectralDensity, eigenvalues, spectral_density
+from gradkit.curvature._solve import ConvergenceWarning, ShiftedOperator, Solution, solve
 
 __all__ = [
     "GGN",
+    "ConvergenceWarning",
     "CurvatureOperator",
     "Estimate",
     "Fisher",
     "Hessian",
+    "ShiftedOperator",
+    "Solution",
     "SpectralDensity",
     "diagonal",
     "eigenvalues",
+    "solve",
     "spectral_density",
     "trace",
 ]

@@ -33,6 +33,7 @@ from gradkit._validate import (
 from gradkit.curvature._data import Data, LossFn, select_params
 from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
+from gradkit.curvature._solve import ShiftedOperator, shifted
 from gradkit.curvature._vectors import FlatVectors
 
 __all__ = [
@@ -215,6 +216,13 @@ class CurvatureOperator(FlatVectors):
             return self.as_dict(self._matvec(self.flatten(v)))
         v = self._check(v)
         return self._matvec(v) if v.dim() == 1 else self._matmat(v)
+
+    def __add__(self, damping: float) -> ShiftedOperator:
+        """``op + damping``: the operator ``C + damping * I`` (e.g. for
+        :func:`~gradkit.curvature.solve`), a :class:`ShiftedOperator`."""
+        return shifted(self, check_number(damping, f"{self._call} + damping", "damping"))
+
+    __radd__ = __add__
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``C v`` for ``v`` of shape ``[P]``."""

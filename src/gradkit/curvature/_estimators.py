@@ -15,15 +15,18 @@ whose ``@`` takes ``[n, k]`` tensors.
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice, check_int
+from gradkit._validate import check_choice, check_int, check_number
 from gradkit.curvature._base import DENSE_MAX, CurvatureOperator, exact_diagonal_of, operator_call
 from gradkit.curvature._data import check_generator
 from gradkit.curvature._diag import unit_diagonal
+from gradkit.curvature._solve import ConvergenceWarning
 
 __all__ = ["Estimate", "LinearOp", "diagonal", "label", "probe_generator", "trace"]
 
@@ -144,7 +147,7 @@ class _Probes(NamedTuple):
 def _probes(
     A: LinearOp, probes: Any, method: str, generator: torch.Generator | None, call: str
 ) -> _Probes:
-    gen = probe_generator(generator, call)
+    gen = generator if generator is not None else probe_generator(None, call)
     fix = f"pass more probes for method={method!r}, e.g. probes=100"
     minimum = 2 if method == "hutchinson" else 5
     probes = check_int(probes, call, "probes", low=minimum, fix=fix)
@@ -178,6 +181,8 @@ def trace(
     probes: int = 100,
     *,
     method: str = "hutch++",
+    rtol: float | None = None,
+    max_probes: int = 1000,
     generator: torch.Generator | None = None,
     max_size: int = DENSE_MAX,
     max_memory: int = _MAX_MEMORY,
@@ -196,11 +201,21 @@ def trace(
         method: ``"hutch++"`` (default; far smaller error on spectra with a few large
             eigenvalues), ``"hutchinson"``, or ``"exact"`` (the sum of the exact diagonal, see
             :func:`diagonal`).
+        rtol: adaptive mode: after the first ``probes`` products, add Hutchinson probes (as
+            many again each round, the sketch ``Q`` kept) until ``stderr <= rtol * |value|``
+            or ``max_probes`` products are spent; then a :class:`ConvergenceWarning` says
+            which relative error was reached. None (default): exactly ``probes`` products.
+            What a given ``rtol`` costs depends on the spectrum, not on the method alone: the
+            Hutchinson part's error is about ``sqrt(2) ||A'||_F / sqrt(m)`` for the deflated
+            ``A'``, so a flat or indefinite spectrum (``||A||_F`` large against ``|tr A|``)
+            needs many probes for any estimator.
+        max_probes: the most products in adaptive mode (default 1000).
         generator: a ``torch.Generator`` for the probes (default: seeded from the global one).
         max_size, max_memory: limits of the exact diagonal (``method="exact"``).
 
     Returns:
-        An :class:`Estimate` with float64 0-dim tensors ``value`` and ``stderr``.
+        An :class:`Estimate` with float64 0-dim tensors ``value`` and ``stderr``, and the
+        products spent in ``probes``.
 
     Examples:
         >>> import torch
@@ -211,6 +226,9 @@ def trace(
         True
         >>> trace(A, method="exact").value
         tensor(5050., dtype=torch.float64)
+        >>> est = trace(A, rtol=0.01, generator=torch.Generator().manual_seed(0))
+        >>> bool(est.stderr <= 0.01 * est.value.abs()), est.probes <= 1000
+        (True, True)
     """
     call = f"trace({label(op)}, method={method!r})"
     check_choice(method, ("hutch++", "hutchinson", "exact"), call, "method")
@@ -219,11 +237,39 @@ def trace(
         d = exact_diagonal(op, max_size=max_size, max_memory=max_memory, call=call)
         value = d.to(torch.float64).sum()
         return Estimate(value, torch.zeros_like(value), 0)
-    Q, AQ, Z, probes = _probes(A, probes, method, generator, call)
-    Z = Z - Q @ (Q.T @ Z)  # deflated: the Hutchinson part sees (I - QQ^T) A (I - QQ^T)
-    samples = (Z * A(Z)).sum(0)
-    value = (Q * AQ).sum() + samples.mean()
-    return Estimate(value, samples.std() / Z.shape[1] ** 0.5, probes)
+    if rtol is not None:
+        rtol = check_number(rtol, call, "rtol", low=0, low_open=True, example=0.05)
+        max_probes = check_int(max_probes, call, "max_probes", low=1, example=1000)
+    gen = probe_generator(generator, call)
+    Q, AQ, Z, probes = _probes(A, probes, method, gen, call)
+    exact_part = (Q * AQ).sum()
+
+    def hutchinson(Z: torch.Tensor) -> torch.Tensor:
+        Z = Z - Q @ (Q.T @ Z)  # deflated: the Hutchinson part sees (I - QQ^T) A (I - QQ^T)
+        return (Z * A(Z)).sum(0)
+
+    samples = hutchinson(Z)
+    value, stderr = exact_part + samples.mean(), samples.std() / samples.numel() ** 0.5
+    if rtol is None:
+        return Estimate(value, stderr, probes)
+    spent, step = probes, Z.shape[1]
+    while float(stderr) > rtol * float(value.abs()) and spent < max_probes:
+        more = min(step, max_probes - spent)
+        samples = torch.cat([samples, hutchinson(_rademacher(A.n, more, gen, A.device))])
+        spent += more
+        value, stderr = exact_part + samples.mean(), samples.std() / samples.numel() ** 0.5
+    if float(stderr) > rtol * float(value.abs()):
+        reached = float(stderr) / float(value.abs()) if float(value) != 0 else math.inf
+        warnings.warn(
+            ConvergenceWarning(
+                f"{call}: the standard error is {reached:.3g} of the estimate after "
+                f"max_probes={max_probes} products, above rtol={rtol:g}; the spectrum is "
+                "flat or indefinite here (every estimator's error is set by ||A||_F / |tr A| "
+                "then): raise max_probes, accept the larger error, or use method='exact'"
+            ),
+            stacklevel=2,
+        )
+    return Estimate(value, stderr, spent)
 
 
 def diagonal(
@@ -279,7 +325,7 @@ def diagonal(
     if method == "exact":
         d = exact_diagonal(op, max_size=max_size, max_memory=max_memory, call=call)
         return Estimate(d, torch.zeros_like(d), 0)
-    Q, AQ, Z, probes = _probes(A, probes, method, generator, call)
+    Q, AQ, Z, probes = _probes(A, probes, method, probe_generator(generator, call), call)
     AZ = A(Z)
     samples = Z * (AZ - Q @ (Q.T @ AZ))  # the Hutchinson part of diag((I - QQ^T) A)
     value = (Q * AQ).sum(1) + samples.mean(1)
