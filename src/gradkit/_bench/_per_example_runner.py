@@ -260,12 +260,12 @@ class Runner:
             got: list[Any] = [getattr(q, attr, None) for q in self.bp_model.parameters()]
             if any(g is None for g in got):  # modules it has no extension for: left alone
                 raise RuntimeError(_unset(self.bp_model, attr, got))
-            return torch.stack(got).sum(0) if quantity == "batch_l2" else got
+            # the statistic of g_i, as every method gives it (a BackPACK user needs this pass)
+            if quantity == "batch_l2":
+                return torch.stack(got).sum(0) * scale
+            return [t * scale for t in got] if scale != 1.0 else got
 
-        def value(r: Any) -> Any:
-            return r * scale if isinstance(r, torch.Tensor) else [t * scale for t in r]
-
-        return Variant(f"BackPACK extend + {ext_name}()", fn, value)
+        return Variant(f"BackPACK extend + {ext_name}() + rescale to g_i", fn)
 
     def _opacus_variants(self, quantity: str) -> dict[str, Variant]:
         p = self.problem

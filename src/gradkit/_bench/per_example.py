@@ -21,13 +21,15 @@ For each model and each of variance, second moment, per-example squared norms (`
 summed over parameters) and per-example gradients (``batch_grad``), every method runs one forward
 and one backward pass and reads its result; ratios are to the plain forward and
 ``loss.backward()`` (no extension) timed side by side. Statistics are of the individual gradients
-``g_i = d l_i / d theta``: BackPACK gives those of ``g_i / N`` under a mean loss, rescaled outside
-the timed call before the comparison with the reference (torch.func per-example gradients in
-float32, reduced in float64). Peers that are not installed are skipped with a note; a peer that
-raises or returns malformed results on a model (on GPT-2: BackPACK skips Conv1D and LayerNorm,
-Opacus returns one position-embedding gradient for the whole batch and its ghost clipping refuses
-tied weights) is left out of that case with a note saying what it raised and where. If gradkit
-raises, its result counts as a mismatch (NaN): the run then exits 1, and its goal is not judged.
+``g_i = d l_i / d theta``, which every timed call returns: BackPACK gives those of ``g_i / N``
+under a mean loss (and the sum of ``g_i^2`` for the second moment), so its timed call rescales
+them, one multiply per result, as its users must. Results are compared with the reference
+(torch.func per-example gradients in float32, reduced in float64). Peers that are not
+installed are skipped with a note; a peer that raises or returns malformed results on a model
+(on GPT-2: BackPACK skips Conv1D and LayerNorm, Opacus returns one position-embedding gradient
+for the whole batch and its ghost clipping refuses tied weights) is left out of that case with
+a note saying what it raised and where. If gradkit raises, its result counts as a mismatch
+(NaN): the run then exits 1, and its goal is not judged.
 
 Peak memory of the variance (``--memory``): one subprocess per variant builds model, data and
 every peer's wrapper, computes the variance once and reports its peak RSS; the extra memory is
@@ -143,10 +145,13 @@ def _case(runner: Runner, quantity: str, grads: list[torch.Tensor], mode: str) -
     if mode == "quick":
         notes.append(_PEER_SKIP_QUICK)
     kept = {m.key for m in methods}
-    if "backpack" in kept and p.reduction == "mean":
+    rescaled = p.reduction == "mean" or quantity == "second_moment"
+    if "backpack" in kept and rescaled:
         notes.append(
-            "BackPACK gives the statistics of g_i / N under a mean loss; its results are "
-            "rescaled to those of g_i outside the timed call."
+            "BackPACK gives the statistics of g_i / N under a mean loss (and the sum, not the "
+            "mean, of g_i^2); its timed call rescales them to those of g_i, as every method "
+            "returns the statistic of g_i and a BackPACK user needs that pass too (one "
+            "multiply per parameter-shaped result)."
         )
     if quantity == "batch_l2" and "opacus" in kept and p.key == "3c3d":
         notes.append(
