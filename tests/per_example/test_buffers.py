@@ -83,3 +83,32 @@ def test_release_buffers_frees_the_pool_and_keeps_results():
     stats, _ = _step(model, 1)
     assert stats["0.weight"].batch_grad.data_ptr() != first  # held by `kept`, not reused
     torch.testing.assert_close(kept, ref["0.weight"], rtol=1e-12, atol=0)
+
+
+def test_sequence_layers_whose_backward_sums_the_blocks_reuse_storage_exactly():
+    """A Linear on sequences takes its weight gradient from the per-example blocks (summed in
+    its backward) before they are scaled in place in the reused storage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+    def loss_fn(out, y):
+        return F.mse_loss(out, y, reduction="sum")
+
+    held, ptrs = [], []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(6, 7, 4, dtype=torch.float64, generator=g)
+        y = torch.randn(6, 7, 2, dtype=torch.float64, generator=g)
+        model.zero_grad(set_to_none=True)
+        with track(model, "batch_grad", loss_reduction="sum") as stats:
+            loss_fn(model(x), y).backward()
+        ref = per_example_grads(model, loss_fn, x, y)
+        for name, want in ref.items():
+            torch.testing.assert_close(stats[name].batch_grad, want, rtol=1e-12, atol=1e-13)
+            torch.testing.assert_close(model.get_parameter(name).grad, want.sum(0))
+        ptrs.append(stats["0.weight"].batch_grad.data_ptr())
+        if seed == 0:
+            held.append((stats["0.weight"].batch_grad, ref["0.weight"]))
+        del stats
+    assert ptrs[2] == ptrs[1] != ptrs[0]  # step 0's result is held: step 1 took new storage
+    torch.testing.assert_close(held[0][0], held[0][1], rtol=1e-12, atol=1e-13)

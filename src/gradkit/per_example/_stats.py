@@ -205,16 +205,18 @@ def add_block(
     out = None
     if keep:  # all blocks are kept anyway: one block, no concatenation later
         chunk_size = max(chunk_size, pe.num_examples)
-        if acc.owner is not None and pe.on_block is None and pe.writes_into(acc.dtype):
+        if acc.owner is not None and pe.writes_into(acc.dtype):
             out = batch_grad_buffer(acc.owner, (pe.num_examples, *pe.shape), acc.dtype)
     if remaining or need_l2 or keep:
-        if pe.on_block is None:  # the scale may be folded into a factor of the block
-            blocks = (
-                pe.scaled_chunks(chunk_size, scale)
-                if out is None  # (a user's subclass may not take `out`)
-                else pe.scaled_chunks(chunk_size, scale, out=out)
-            )
-        else:  # the layer's backward sums the unscaled blocks
+        # the scale may be folded into a factor of the block, unless the layer's backward sums
+        # the unscaled blocks (on_block); `out` only where writes_into said so (a user's
+        # subclass may not take it)
+        folded = scale if pe.on_block is None else 1.0
+        if out is not None:
+            blocks = pe.scaled_chunks(chunk_size, folded, out=out)
+        elif pe.on_block is None:
+            blocks = pe.scaled_chunks(chunk_size, scale)
+        else:
             blocks = ((b, False) for b in pe.chunks(chunk_size))
         for block, scaled in blocks:
             if pe.on_block is not None:
