@@ -142,7 +142,9 @@ def tracked_modules(
         if any(c == "" or name == c or name.startswith(c + ".") for c in claimed):
             continue
         own: dict[str, torch.Tensor]
-        own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        # the module's own parameters (named_parameters(recurse=False) walks named_modules per
+        # call: a tenth of a small model's track() set-up)
+        own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
         if not own:
             continue
         parent = modules[name.rpartition(".")[0]] if name else None

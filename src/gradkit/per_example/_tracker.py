@@ -150,7 +150,7 @@ class Tracker(TrackerResults):
         self._want = parse_want(quantities, moments, call)
         self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
-        modules = dict(model.named_modules())
+        self._modules = modules = dict(model.named_modules())
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
         check_bool(fuse, call, "fuse")
         check_bool(unbiased, call, "unbiased")
@@ -251,7 +251,7 @@ class Tracker(TrackerResults):
                     eager(self._model_hook), with_kwargs=True, always_call=True
                 )
             )
-            for module in self._model.modules():
+            for module in self._modules.values():
                 if isinstance(module, _BatchNorm):
                     self._handles.append(module.register_forward_pre_hook(refuse_batchnorm))
         except BaseException:
