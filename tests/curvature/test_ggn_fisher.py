@@ -185,3 +185,57 @@ def test_block_operators_are_exactly_zero_off_the_blocks(op):
             mask[i[:, None], i[None, :]] = True
         assert torch.equal(B[~mask], torch.zeros_like(B[~mask]))
         assert_close(B[mask], M[mask])
+
+
+class _Wrapped(nn.Module):
+    """The same MLP behind a module that is no nn.Sequential: exact diagonals take the
+    per-example route (one backward per column) instead of the sweep through the layers."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("act", [nn.Tanh, nn.ReLU, nn.GELU])
+@pytest.mark.parametrize("name", ["ce", "mse", "sine", "fisher_mc", "fisher_empirical"])
+def test_the_mlp_sweep_equals_per_example_gradients_and_the_dense_diagonal(name, act):
+    torch.manual_seed(1)
+    sweep_model = nn.Sequential(
+        nn.Flatten(), nn.Linear(6, 7), act(), nn.Linear(7, 5), act(), nn.Linear(5, 3)
+    ).to(D)
+    x = torch.randn(9, 2, 3, dtype=D)
+    y = (
+        torch.randint(0, 3, (9,))
+        if name != "mse" and name != "sine"
+        else torch.randn(9, 3, dtype=D)
+    )
+    loss_fn = {"mse": F.mse_loss, "sine": _sine}.get(name, F.cross_entropy)
+    parts = [(x[:4], y[:4]), (x[4:], y[4:])]
+
+    def op(model):
+        if name.startswith("fisher"):
+            kind = name.split("_")[1]
+            gen = torch.Generator().manual_seed(0)
+            samples = 3 if kind == "mc" else 1
+            return Fisher(model, loss_fn, parts, kind=kind, samples=samples, generator=gen)
+        return GGN(model, loss_fn, parts)
+
+    swept = diagonal(op(sweep_model)).value
+    per_ex = diagonal(op(_Wrapped(sweep_model))).value
+    assert_close(swept, per_ex)
+    if not name.startswith("fisher"):
+        flat_x = x.flatten(1)
+        assert_close(swept, dense_ggn(sweep_model, loss_fn, (flat_x.view(9, 2, 3), y)).diagonal())
+
+
+def test_the_exact_ggn_diagonal_of_a_cnn_takes_per_example_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).to(
+        D
+    )
+    x, y = torch.randn(5, 1, 6, 6, dtype=D), torch.randint(0, 3, (5,))
+    d = diagonal(GGN(model, F.cross_entropy, (x, y)))
+    assert_close(d.value, dense_ggn(model, F.cross_entropy, (x, y)).diagonal())

@@ -9,7 +9,8 @@ r"""Exact diagonals.
   gradient under ``gradkit.per_example.track(model, "second_moment", loss_reduction="sum")``
   gives ``sum_n (J_n^T s_nc)^2`` exactly, in one backward per column (``C - 1`` for cross
   entropy with ``C`` classes). Negative columns (losses not convex in the output) go through a
-  second tracker and are subtracted.
+  second tracker and are subtracted. Sequential MLPs take all columns in one sweep through
+  their layers instead (:func:`~gradkit.curvature._mlp_diag.mlp_factor_diagonal`).
 * Any operator (the Hessian): ``e_j^T C e_j`` from products with unit vectors, ``chunk``
   columns at a time, for up to ``max_size`` parameters.
 """
@@ -83,8 +84,14 @@ def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) 
     """The exact diagonal of ``sum_b w_b J_b^T M_b J_b`` over the parameters of ``layout``
     given ``factors(out, targets, index) -> (pos [C+, *out], neg [C-, *out])`` per batch (see
     the module docstring)."""
+    from gradkit.curvature._mlp_diag import mlp_factor_diagonal, mlp_layers
     from gradkit.per_example import track
 
+    layers = mlp_layers(data.model)
+    if layers is not None:  # all columns in one sweep through the layers
+        swept = mlp_factor_diagonal(data, layout, layers, factors)
+        if swept is not None:
+            return swept
     first = layout.params[0]
     total = torch.zeros(layout.n, dtype=torch.float64, device=first.device)
     for index, (inputs, targets, n) in enumerate(data):

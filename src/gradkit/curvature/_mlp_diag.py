@@ -22,6 +22,7 @@ autograd on the activation module itself. Cost: ``N d_l^2 d_{l-1}`` per layer; m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from gradkit.curvature._data import Data
 from gradkit.curvature._ggn import loss_hessian_blocks
 from gradkit.curvature._layout import Layout
 
-__all__ = ["mlp_hessian_diagonal", "mlp_layers"]
+__all__ = ["mlp_factor_diagonal", "mlp_hessian_diagonal", "mlp_layers"]
 
 ELEMENTWISE = (
     nn.Tanh,
@@ -91,23 +92,12 @@ def mlp_hessian_diagonal(
     diag: dict[int, torch.Tensor] = {}
     widest = max(m.out_features for m in layers if isinstance(m, nn.Linear))
     for inputs, targets, n in data:
-        if not isinstance(inputs, torch.Tensor) or n * widest * widest * 8 * 3 > max_memory:
+        if n * widest * widest * 8 * 3 > max_memory:
             return None
-        h = inputs.detach()
-        if isinstance(layers[0], nn.Flatten):
-            h = h.flatten(1)
-        if h.dim() != 2:
+        run = _forward(layers, inputs, slopes=False)
+        if run is None:
             return None
-        saved: list[tuple[nn.Module, torch.Tensor, Any]] = []
-        with torch.no_grad():
-            for layer in layers:
-                if isinstance(layer, nn.Flatten):
-                    continue
-                if isinstance(layer, nn.Linear):
-                    saved.append((layer, h, None))
-                else:
-                    saved.append((layer, h, _derivatives(layer, h)))
-                h = layer(h)
+        h, saved = run
         K, delta = loss_hessian_blocks(data, h, targets, max_memory=max_memory, call=call)
         weight = data.weight(n)
         for layer, a, derivs in reversed(saved):
@@ -133,3 +123,88 @@ def mlp_hessian_diagonal(
         for p in layout.params
     ]
     return torch.cat(out).to(layout.params[0].dtype)
+
+
+def _slope(layer: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """``sigma'(z)`` of an elementwise activation module, by autograd on the module itself."""
+    z = z.detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = layer(z)
+        if not out.requires_grad:  # constant in z (e.g. a step function)
+            return torch.zeros_like(z)
+        (d1,) = torch.autograd.grad(out.sum(), z)
+    return d1
+
+
+def _forward(layers: list[nn.Module], inputs: Any, slopes: bool) -> Any:
+    """The MLP on ``inputs`` (``[N, features]`` after ``Flatten``): its output and, per layer,
+    ``(layer, input, sigma'(input) or None for a Linear)``; None if the inputs do not fit."""
+    if not isinstance(inputs, torch.Tensor):
+        return None
+    h = inputs.detach()
+    if isinstance(layers[0], nn.Flatten):
+        h = h.flatten(1)
+    if h.dim() != 2:
+        return None
+    saved: list[tuple[nn.Module, torch.Tensor, Any]] = []
+    with torch.no_grad():
+        for layer in layers:
+            if isinstance(layer, nn.Flatten):
+                continue
+            if isinstance(layer, nn.Linear):
+                saved.append((layer, h, None))
+            else:
+                saved.append((layer, h, _slope(layer, h) if slopes else _derivatives(layer, h)))
+            h = layer(h)
+    return h, saved
+
+
+def mlp_factor_diagonal(
+    data: Data,
+    layout: Layout,
+    layers: list[nn.Module],
+    factors: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor | None:
+    r"""``diag(sum_b w_b J_b^T M_b J_b)`` ``[P]`` for a supported MLP, given the factors of
+    every example's output matrix ``M_n = sum_c s_nc s_nc^T - sum_c t_nc t_nc^T`` (``factors``
+    as for :func:`~gradkit.curvature._diag.factor_diagonal`); None when a batch's inputs do not
+    fit.
+
+    The columns are backpropagated through the layers together, in float64: ``S_{l-1} =
+    (S_l W_l) \odot \sigma'(z_{l-1})`` for all ``C`` columns in one product, and a Linear
+    layer's diagonal is ``sum_n (sum_c S_{l,n,c}^2) a_{l-1,n}^2``, the squares summed over the
+    columns *before* the product with the inputs (BackPACK's ``DiagGGNExact``): one product
+    per layer for all columns, where per-example gradients take one backward per column.
+    """
+    diag: dict[int, torch.Tensor] = {}
+    for index, (inputs, targets, n) in enumerate(data):
+        run = _forward(layers, inputs, slopes=True)
+        if run is None:
+            return None
+        out, saved = run
+        weight = data.weight(n)
+        pos, neg = factors(out, targets, index)
+        first = next(i for i, (layer, _, _) in enumerate(saved) if isinstance(layer, nn.Linear))
+        for sign, cols in ((1.0, pos), (-1.0, neg)):
+            if cols.shape[0] == 0:
+                continue
+            S = cols.reshape(cols.shape[0], n, -1).double()  # [C, n, o]
+            for k in range(len(saved) - 1, first - 1, -1):
+                layer, a, slope = saved[k]
+                if slope is not None:
+                    S = S * slope.double()
+                    continue
+                assert isinstance(layer, nn.Linear)
+                sq = S.square().sum(0)  # [n, o]
+                parts = [(layer.weight, sq.T @ a.double().square())]
+                if layer.bias is not None:
+                    parts.append((layer.bias, sq.sum(0)))
+                for p, d in parts:
+                    diag[id(p)] = diag.get(id(p), 0) + (sign * weight) * d
+                if k > first:
+                    S = S @ layer.weight.detach().double()
+    out_parts = [
+        diag.get(id(p), torch.zeros(p.shape, dtype=torch.float64, device=p.device)).reshape(-1)
+        for p in layout.params
+    ]
+    return torch.cat(out_parts).to(layout.params[0].dtype)
