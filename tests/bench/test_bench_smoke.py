@@ -148,3 +148,22 @@ def test_cuda_samples_include_the_device_work():
         {"mm": lambda: a @ a @ a @ a}, repeats=3, device=torch.device("cuda")
     )
     assert timings["mm"]["median_ms"] > 0.5
+
+
+def test_cases_are_timed_outside_any_torch_function_mode(monkeypatch, tmp_path):
+    """A mode (such as torch.device(...) as a context) adds about 1 us to every torch call,
+    which would tax the methods with many small operations; the CPU run enters none."""
+    from gradkit import _bench
+    from gradkit._bench._case import Case, Method
+
+    seen = []
+
+    def method():
+        seen.append(torch._C._is_torch_function_mode_enabled())
+        return torch.ones(2)
+
+    case = Case("probe", "probe", {}, [Method("m", "m", method)], ("m",), "m", torch.float64)
+    monkeypatch.setitem(_bench.SUITES, "func", lambda: [case])
+    result = _bench.run_suite("func", mode="smoke")
+    assert seen and not any(seen)
+    assert result["cases"][0]["key"] == "probe"
