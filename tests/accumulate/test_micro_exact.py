@@ -354,3 +354,17 @@ def test_one_rank_group_reduces_once_per_step_and_refuses_sparse_gradients(monke
         assert torch.equal(sparse.weight.grad.to_dense(), before)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_tensor_count_changed_in_place_after_its_micro_step_keeps_its_value():
+    tokens, labels = token_data()
+    model = lm()
+    opt = Capture(model.parameters())
+    acc = Accumulator(model, opt, normalize="tokens")
+    counter = torch.zeros((), dtype=torch.int64)
+    for lo, hi in ((0, 3), (3, 7)):
+        counter.fill_(int((labels[lo:hi] != -100).sum()))  # one tensor reused as the count
+        with acc.micro_step(count=counter):
+            acc.backward(token_sum(model, tokens[lo:hi], labels[lo:hi]))
+    counter.fill_(10**6)
+    assert acc.step().count == int((labels != -100).sum())

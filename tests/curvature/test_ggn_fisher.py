@@ -12,7 +12,7 @@ from gradkit import GradkitError
 from gradkit.curvature import GGN, Fisher, Hessian, diagonal
 from gradkit.testing import assert_close
 
-from ._oracles import D, ce_problem, dense_ggn, dense_hessian, mse_problem, per_example, rel
+from ._oracles import D, ce_problem, dense_ggn, dense_hessian, mlp, mse_problem, per_example, rel
 
 
 def _bce(out, target):
@@ -239,3 +239,40 @@ def test_the_exact_ggn_diagonal_of_a_cnn_takes_per_example_gradients():
     x, y = torch.randn(5, 1, 6, 6, dtype=D), torch.randint(0, 3, (5,))
     d = diagonal(GGN(model, F.cross_entropy, (x, y)))
     assert_close(d.value, dense_ggn(model, F.cross_entropy, (x, y)).diagonal())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"reduction": "sum"},
+        {"weight": torch.tensor([0.5, 2.0, 1.0], dtype=D)},
+        {"ignore_index": 1},
+        {"label_smoothing": 0.2},
+    ],
+    ids=["mean", "sum", "class-weights", "ignore-index", "label-smoothing"],
+)
+def test_cross_entropy_factors_in_closed_form_are_exact(monkeypatch, options):
+    """A softmax cross entropy's output Hessian is c_n (diag(p) - p p^T): its factors come in
+    closed form (no eigendecomposition), for every option of the loss."""
+    import gradkit.curvature._ggn as ggn
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general eigendecomposition was used")
+
+    monkeypatch.setattr(ggn, "loss_hessian_blocks", refuse)
+    torch.manual_seed(2)
+    loss_fn = lambda o, t: F.cross_entropy(o, t, **options)
+    for model in (mlp(), _Wrapped(mlp())):  # the MLP sweep and the per-example route
+        x, y = torch.randn(8, 4, dtype=D), torch.randint(0, 3, (8,))
+        d = diagonal(GGN(model, loss_fn, (x, y)))
+        assert_close(d.value, dense_ggn(model, loss_fn, (x, y)).diagonal())
+
+
+def test_other_losses_fall_back_to_the_eigendecomposition():
+    import gradkit.curvature._ggn as ggn
+
+    model, loss_fn, batch = mse_problem(n=6)
+    assert ggn._softmax_factors(GGN(model, loss_fn, batch)._data, model(batch[0]), batch[1]) is None
+    model, loss_fn, batch = LOSSES["sine"]()
+    assert ggn._softmax_factors(GGN(model, loss_fn, batch)._data, model(batch[0]), batch[1]) is None

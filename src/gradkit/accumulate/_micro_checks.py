@@ -49,7 +49,7 @@ def as_count(value: Any, call: str) -> float | torch.Tensor:
                     "pass e.g. count=int((labels != -100).sum())",
                 )
             )
-        return value.detach().reshape(())
+        return value.detach().reshape(()).clone()  # later in-place changes are not the count
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             message(

@@ -226,13 +226,57 @@ def loss_hessian_blocks(
     return (blocks + blocks.transpose(1, 2)) / 2, h.r.detach().reshape(n, o)
 
 
+def _softmax_factors(data: Data, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    r"""The closed-form factors of a softmax cross-entropy's output Hessian, or None.
+
+    The Hessian of ``-log softmax(z)_y`` (and of any target distribution, label smoothing
+    included) w.r.t. the logits ``z`` is ``diag(p) - p p^T = M M^T`` with ``M = diag(\sqrt p) -
+    p \sqrt p^T``, whose column ``k`` is ``\sqrt{p_k} (e_k - p)``. The loss's block for example
+    ``n`` is ``c_n (diag(p_n) - p_n p_n^T)`` for a weight ``c_n >= 0`` (the reduction, a class
+    weight, 0 for an ignored target); whether it is, and ``c_n``, are read from two products of
+    the actual loss Hessian with random vectors, so any other loss falls back to the general
+    eigendecomposition. ``C`` columns, no eigendecomposition, two products instead of ``C + 1``.
+    """
+    if out.dim() != 2 or out.shape[0] == 0 or out.shape[1] < 2 or not out.is_floating_point():
+        return None
+    h = LossHessian(data, out, targets)
+    gen = torch.Generator(device=out.device).manual_seed(1)
+    Z = torch.randn((2, *out.shape), generator=gen, dtype=out.dtype, device=out.device)
+    try:
+        HZ = h.apply(Z, batched=True)
+    except RuntimeError as err:
+        if not is_batching_error(err):
+            raise
+        HZ = torch.stack([h.apply(z) for z in Z])
+    p = torch.softmax(out.detach().double(), dim=1)  # [n, C]
+    Z64, HZ64 = Z.double(), HZ.double()
+    BZ = p * Z64 - p * (p * Z64).sum(-1, keepdim=True)  # (diag(p) - p p^T) z, per example
+    norm2 = BZ.square().sum((0, 2))
+    c = (HZ64 * BZ).sum((0, 2)) / norm2.clamp_min(1e-300)  # [n]
+    residual = (HZ64 - c[None, :, None] * BZ).abs().max()
+    scale = HZ64.abs().max() + (c[None, :, None] * BZ).abs().max()
+    if float(residual) > 1e3 * torch.finfo(out.dtype).eps * max(float(scale), 1e-300):
+        return None
+    if bool((c < 0).any()):
+        return None
+    eye = torch.eye(out.shape[1], dtype=torch.float64, device=out.device)
+    cols = (p * c[:, None]).sqrt().T[:, :, None] * (eye[:, None, :] - p[None])  # [C, n, C]
+    return cols.to(out.dtype)
+
+
 def output_factors(
     data: Data, out: torch.Tensor, targets: torch.Tensor, *, max_memory: int, call: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns ``s_c`` with ``H_n = sum_c s_nc s_nc^T - sum_c t_nc t_nc^T`` for every example's
-    block of the loss Hessian w.r.t. the output: ``(s [C+, *out], t [C-, *out])``, from an
-    eigenvalue decomposition in float64 of each block (:func:`loss_hessian_blocks`).
+    block of the loss Hessian w.r.t. the output: ``(s [C+, *out], t [C-, *out])``; in closed
+    form for a softmax cross entropy (:func:`_softmax_factors`), else from an eigenvalue
+    decomposition in float64 of each block (:func:`loss_hessian_blocks`).
     """
+    n, o = out.shape[0], out[0].numel()
+    if n * o * o * 8 * 3 <= max_memory:
+        closed = _softmax_factors(data, out, targets)
+        if closed is not None:
+            return closed, closed[:0]
     blocks, _ = loss_hessian_blocks(data, out, targets, max_memory=max_memory, call=call)
     o = blocks.shape[1]
     lam, vecs = torch.linalg.eigh(blocks)
