@@ -134,7 +134,7 @@ def estimator_case(p: Problem) -> Case:
         ),
         Method(
             "diag_ggn",
-            "diagonal(GGN(...)) (exact, per-example gradients)",
+            "diagonal(GGN(...)) (exact, MLP sweep; construction included)",
             lambda: gc.diagonal(gc.GGN(p.model, F.cross_entropy, p.batch)),
             None,
         ),
@@ -153,8 +153,11 @@ def estimator_case(p: Problem) -> Case:
     ]
     notes = [
         "Exact diagonals: the Hessian's by one sweep of per-example Hessian blocks (sequential "
-        "MLPs; other models take P products with unit vectors), the GGN's from per-example "
-        "gradients (one backward per class but one)."
+        "MLPs; other models take P products with unit vectors); the GGN's by one sweep of the "
+        "output factors (closed form for cross entropy) through the layers of a sequential MLP "
+        "(other models: per-example gradients, one backward per factor). gradkit's GGN row "
+        "includes building the operator (about 2 gradients: its first product's graph), "
+        "BackPACK's one forward and backward with its extension."
     ]
     bp = load_backpack()
     if bp is None:
