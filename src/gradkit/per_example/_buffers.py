@@ -1,5 +1,4 @@
-"""Storage for per-example gradients (``batch_grad``) and the other parameter-sized results of
-a step (power sums, the statistics read from them) reused from one ``track()`` block to the
+"""Storage for per-example gradients (``batch_grad``) reused from one ``track()`` block to the
 next, on the CPU.
 
 ``batch_grad`` holds ``N x params`` numbers: 274 MB for a 535k-parameter MLP at batch 128. A
@@ -14,9 +13,7 @@ holds are never overwritten. Each parameter keeps at most two buffers, which cov
 loop where the previous step's results are still bound while the next step runs
 (``with track(...) as stats`` rebinds ``stats`` only after the block's tracker exists). The
 buffers live as long as their parameter; :func:`release_buffers` frees them earlier. GPU
-tensors are not pooled: the CUDA caching allocator already reuses device memory. Smaller
-results pay the same way in proportion: the second moment of that MLP, its product and its
-division by ``N``, takes 1.05 ms per step on reused storage and 1.7-1.9 ms on fresh.
+tensors are not pooled: the CUDA caching allocator already reuses device memory.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["batch_grad_buffer", "release_buffers", "reused"]
+__all__ = ["batch_grad_buffer", "release_buffers"]
 
 _KEEP = 2  # buffers per parameter
 _POOL: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -43,18 +40,15 @@ def _free(t: torch.Tensor) -> bool:
     return _use_count(t) == _ALONE
 
 
-def reused(
-    owner: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dtype
+def batch_grad_buffer(
+    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """An uninitialized ``shape`` tensor of ``dtype`` for the per-step result ``kind`` of
-    ``owner`` (a parameter), on reused storage when possible; None where nothing is pooled (not
-    on the CPU, or a torch without storage use counts): the caller allocates as before."""
+    """An uninitialized ``shape`` tensor of ``dtype`` for the per-example gradients of
+    ``owner`` (a parameter), reused when possible; None where nothing is pooled (not on the
+    CPU, or a torch without storage use counts): the caller allocates as before."""
     if owner.device.type != "cpu" or not _HAS_USE_COUNT:
         return None
-    kinds: dict[str, list[torch.Tensor]] | None = _POOL.get(owner)
-    if kinds is None:
-        kinds = _POOL[owner] = {}
-    kept = kinds.get(kind, [])
+    kept: list[torch.Tensor] = _POOL.get(owner, [])
     for buf in kept:
         if buf.shape == shape and buf.dtype == dtype and _free(buf):
             return buf.detach()  # a new tensor on the storage: it counts as a use while alive
@@ -62,15 +56,8 @@ def reused(
     # theirs now, the pool only forgets it)
     kept = [b for b in kept if not _free(b)][-(_KEEP - 1) :]
     buf = torch.empty(shape, dtype=dtype, device=owner.device)
-    kinds[kind] = [*kept, buf]
+    _POOL[owner] = [*kept, buf]
     return buf.detach()
-
-
-def batch_grad_buffer(
-    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
-) -> torch.Tensor | None:
-    """:func:`reused` storage for the per-example gradients of ``owner``."""
-    return reused(owner, "batch_grad", shape, dtype)
 
 
 def release_buffers() -> None:

@@ -59,22 +59,13 @@ class PerExampleGrad:
             yield block, False
 
     def writes_into(self, dtype: torch.dtype) -> bool:
-        """Whether :meth:`scaled_chunks` (all examples at once) and :meth:`power_sum` take an
-        ``out`` tensor of ``dtype`` to compute into (reused storage: no fresh allocation per
-        step)."""
+        """Whether :meth:`scaled_chunks` can compute all examples, in ``dtype``, into a given
+        tensor (reused storage: no fresh allocation per step)."""
         return False
 
-    def sums_into(self, dtype: torch.dtype) -> bool:
-        """Whether :meth:`power_sum` takes an ``out`` tensor of ``dtype`` (shaped like the
-        parameter) to compute into."""
-        return False
-
-    def power_sum(
-        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         """``sum_n (scale * g_n) ** p`` (shaped like the parameter) by a closed form, or None.
-        The result is a fresh tensor the caller may keep (``out``, given only where
-        :meth:`sums_into` says so, is storage to compute it into)."""
+        The result is a fresh tensor the caller may keep."""
         return None
 
     def sq_norms(self) -> torch.Tensor | None:
@@ -101,9 +92,7 @@ class Materialized(PerExampleGrad):
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         yield from self.grads.split(size)
 
-    def power_sum(
-        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         total = self.grads.pow(p).sum(0) if p != 1 else self.grads.sum(0)
         return total.mul_(scale**p) if scale != 1.0 else total
 
@@ -151,9 +140,6 @@ class OuterProduct(PerExampleGrad):
     def writes_into(self, dtype: torch.dtype) -> bool:
         return self.groups == 1 and self.A.dtype == dtype and self.G.dtype == dtype
 
-    def sums_into(self, dtype: torch.dtype) -> bool:
-        return self.T == 1 and self.writes_into(dtype)
-
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.num_examples, size):
             yield self._block(start, min(start + size, self.num_examples))
@@ -172,11 +158,7 @@ class OuterProduct(PerExampleGrad):
             else:
                 yield self._block(start, stop, scale, where == "a", out=out), True
 
-    def power_sum(
-        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """As :meth:`PerExampleGrad.power_sum`; ``out`` (only given where :meth:`sums_into`
-        says so): storage shaped like the parameter for the result."""
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         if self.T != 1:
             return None
         a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
@@ -187,9 +169,7 @@ class OuterProduct(PerExampleGrad):
         if scale != 1.0:  # on the smaller factor, before the product
             g = g * scale**p
         if self.groups == 1:
-            into = None if out is None else out.view(self.o, self.i)
-            total = torch.mm(g[:, 0].T, a[:, 0], out=into)
-            return out if out is not None else total.reshape(self.shape)
+            return (g[:, 0].T @ a[:, 0]).reshape(self.shape)
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
 
     def _squares(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit.per_example._buffers import batch_grad_buffer, reused
+from gradkit.per_example._buffers import batch_grad_buffer
 from gradkit.per_example._grads import PerExampleGrad
 
 __all__ = [
@@ -189,15 +189,8 @@ def add_block(
     if want.mean and not mean_given:
         powers.insert(0, 1)
     remaining = []
-    into = acc.owner is not None and pe.sums_into(acc.dtype)
     for p in powers:
-        # the first block of a power may land in reused storage (a later one is added to it)
-        out = (
-            reused(acc.owner, f"sum{p}", tuple(acc.shape), acc.dtype)
-            if (into and p not in acc.sums and acc.owner is not None)
-            else None
-        )
-        s = pe.power_sum(p, scale) if out is None else pe.power_sum(p, scale, out=out)
+        s = pe.power_sum(p, scale)
         if s is None:
             remaining.append(p)
         else:
@@ -315,25 +308,15 @@ class ParamStats:
         self._ready(what)
         return self._acc.sums[p]
 
-    def _out(self, kind: str, like: torch.Tensor) -> torch.Tensor | None:
-        """Reused storage for a result of this read (see :mod:`._buffers`), or None."""
-        acc = self._acc
-        if acc.owner is None or like.shape != acc.shape or like.dtype != acc.dtype:
-            return None
-        return reused(acc.owner, kind, tuple(acc.shape), acc.dtype)
-
-    def _mean_of(self, total: torch.Tensor, kind: str) -> torch.Tensor:
-        return torch.div(total, self._acc.n, out=self._out(kind, total))
-
     @property
     def mean(self) -> torch.Tensor:
         """``(1/N) sum_i g_i``, shaped like the parameter."""
-        return self._mean_of(self._sum(1, "mean", "'mean'"), "mean")
+        return self._sum(1, "mean", "'mean'") / self._acc.n
 
     @property
     def second_moment(self) -> torch.Tensor:
         """``(1/N) sum_i g_i**2``."""
-        return self._mean_of(self._sum(2, "second_moment", "'second_moment'"), "second_moment")
+        return self._sum(2, "second_moment", "'second_moment'") / self._acc.n
 
     def moment(self, p: int) -> torch.Tensor:
         """``(1/N) sum_i g_i**p`` for a tracked ``p`` (``moments=(p, ...)``; 1 and 2 come with
@@ -348,7 +331,7 @@ class ParamStats:
                     f"pass one of the tracked powers {self.powers()}",
                 )
             )
-        return self._mean_of(self._sum(p, f"moment({p})", f"moments=({p},)"), f"moment{p}")
+        return self._sum(p, f"moment({p})", f"moments=({p},)") / self._acc.n
 
     def powers(self) -> tuple[int, ...]:
         """The powers ``p`` that :meth:`moment` can give."""
@@ -369,8 +352,7 @@ class ParamStats:
         s1 = self._sum(1, "variance", "'variance'")
         s2 = self._sum(2, "variance", "'variance'")
         n = self._acc.n
-        out = self._out("variance", s2)
-        v = torch.addcmul(s2, s1, s1, value=-1.0 / n, out=out).div_(n).clamp_min_(0)
+        v = torch.addcmul(s2, s1, s1, value=-1.0 / n).div_(n).clamp_min_(0)
         if self._unbiased if unbiased is None else unbiased:
             if n < 2:
                 raise GradkitError(
@@ -383,7 +365,7 @@ class ParamStats:
                         "var(unbiased=False)",
                     )
                 )
-            v.mul_(n / (n - 1))
+            v = v * (n / (n - 1))
         return v
 
     @property

@@ -63,9 +63,7 @@ class EmbeddingGrad(PerExampleGrad):
         self.example = key // num_rows
         self.row = key % num_rows
 
-    def power_sum(
-        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor:
         vals = self.rows if p == 1 else self.rows.pow(p)
         return vals.new_zeros(self.shape).index_add_(0, self.row, vals, alpha=scale**p)
 
