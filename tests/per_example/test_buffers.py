@@ -5,12 +5,19 @@ still refers to it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradkit.per_example import release_buffers, track
+from gradkit.per_example import _buffers, release_buffers, track
 from gradkit.testing import per_example_grads
+
+
+@pytest.fixture(autouse=True)
+def _pool_every_size(monkeypatch):
+    """These models are small: pool their results too (real ones pool above 32 MiB)."""
+    monkeypatch.setattr(_buffers, "_MIN_BYTES", 0)
 
 
 def _setup():
@@ -112,3 +119,13 @@ def test_sequence_layers_whose_backward_sums_the_blocks_reuse_storage_exactly():
         del stats
     assert ptrs[2] == ptrs[1] != ptrs[0]  # step 0's result is held: step 1 took new storage
     torch.testing.assert_close(held[0][0], held[0][1], rtol=1e-12, atol=1e-13)
+
+
+def test_results_under_the_size_floor_are_not_pooled(monkeypatch):
+    monkeypatch.setattr(_buffers, "_MIN_BYTES", 32 * 2**20)
+    model = _setup()
+    _step(model, 0)
+    assert model[0].weight not in _buffers._POOL
+    big = torch.nn.Parameter(torch.zeros(1024, 1024))
+    buf = _buffers.batch_grad_buffer(big, (8, 1024, 1024), torch.float32)  # 32 MiB
+    assert buf is not None and big in _buffers._POOL

@@ -18,12 +18,19 @@ tensors are not pooled: the CUDA caching allocator already reuses device memory.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["batch_grad_buffer", "release_buffers"]
 
 _KEEP = 2  # buffers per parameter
+_MIN_BYTES = 32 * 2**20
+"""Smaller results are not pooled: glibc serves allocations up to 32 MiB from its heap, without
+fresh pages, once the process has freed blocks that large (any training loop has), so pooling
+them gains nothing (measured: the second moment of a 535k-parameter MLP, 1.99x plain pooled,
+1.94x not)."""
 _POOL: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -45,8 +52,11 @@ def batch_grad_buffer(
 ) -> torch.Tensor | None:
     """An uninitialized ``shape`` tensor of ``dtype`` for the per-example gradients of
     ``owner`` (a parameter), reused when possible; None where nothing is pooled (not on the
-    CPU, or a torch without storage use counts): the caller allocates as before."""
+    CPU, under :data:`_MIN_BYTES`, or a torch without storage use counts): the caller
+    allocates as before."""
     if owner.device.type != "cpu" or not _HAS_USE_COUNT:
+        return None
+    if math.prod(shape) * dtype.itemsize < _MIN_BYTES:
         return None
     kept: list[torch.Tensor] = _POOL.get(owner, [])
     for buf in kept:
