@@ -18,7 +18,7 @@ import torch
 import gradkit
 from gradkit._bench._case import Case, Method, Target, flat
 from gradkit._bench._per_example_problems import SMOKE_BATCH, make_problem
-from gradkit._bench._per_example_runner import reference, relative
+from gradkit._bench._per_example_runner import Runner, reference, relative
 
 __all__ = ["compiled_case"]
 
@@ -55,7 +55,7 @@ def compiled_case(mode: str, seed: int) -> Case:
         # tracked and plain calls alternate: each compiles once and is guarded on the hooks
         return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
 
-    grads = _per_example_grads(p)
+    grads = Runner(p, peers=False).func_grads()
     second = reference("second_moment", grads)
     scales = [float(t.abs().max()) or 1.0 for t in second]
     l2 = reference("batch_l2", grads)
@@ -104,14 +104,3 @@ def compiled_case(mode: str, seed: int) -> Case:
             "largest second moment of each parameter, the norms to the largest norm.",
         ],
     )
-
-
-def _per_example_grads(p: Any) -> list[torch.Tensor]:
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: v.detach() for k, v in p.model.named_parameters()}
-
-    def loss_one(ps: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
-        return p.loss_fn(functional_call(p.model, ps, (xi[None],)), yi[None])
-
-    return list(vmap(grad(loss_one), in_dims=(None, 0, 0))(params, p.x, p.y).values())

@@ -114,6 +114,16 @@ class LossHessian:
         )
         return torch.zeros_like(U) if res is None else res
 
+    def apply_each(self, U: torch.Tensor) -> torch.Tensor:
+        """Products with every ``U[k]``: one batched backward, or one per vector where the loss
+        has an operation without a batching rule."""
+        try:
+            return self.apply(U, batched=True)
+        except RuntimeError as err:
+            if not is_batching_error(err):
+                raise
+            return torch.stack([self.apply(u) for u in U])
+
 
 class _GGNPoint(Point):
     def __init__(self, layout: Layout, data: Data, inputs: Any, targets: torch.Tensor) -> None:
@@ -204,12 +214,7 @@ def loss_hessian_blocks(
         )
     eye = torch.eye(o, dtype=out.dtype, device=out.device)
     E = eye[:, None, :].expand(o, n, o).reshape(o, *out.shape)
-    try:
-        HE = h.apply(E, batched=True)
-    except RuntimeError as err:
-        if not is_batching_error(err):
-            raise
-        HE = torch.stack([h.apply(e) for e in E])
+    HE = h.apply_each(E)
     blocks = HE.reshape(o, n, o).permute(1, 2, 0).double()  # [n, row, col]
     gen = torch.Generator(device=out.device).manual_seed(0)
     z = torch.randn(out.shape, generator=gen, dtype=out.dtype, device=out.device)
@@ -242,12 +247,7 @@ def _softmax_factors(data: Data, out: torch.Tensor, targets: torch.Tensor) -> to
     h = LossHessian(data, out, targets)
     gen = torch.Generator(device=out.device).manual_seed(1)
     Z = torch.randn((2, *out.shape), generator=gen, dtype=out.dtype, device=out.device)
-    try:
-        HZ = h.apply(Z, batched=True)
-    except RuntimeError as err:
-        if not is_batching_error(err):
-            raise
-        HZ = torch.stack([h.apply(z) for z in Z])
+    HZ = h.apply_each(Z)
     p = torch.softmax(out.detach().double(), dim=1)  # [n, C]
     Z64, HZ64 = Z.double(), HZ.double()
     BZ = p * Z64 - p * (p * Z64).sum(-1, keepdim=True)  # (diag(p) - p p^T) z, per example
