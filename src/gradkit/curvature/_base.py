@@ -33,7 +33,7 @@ from gradkit._validate import (
 from gradkit.curvature._data import Data, LossFn, select_params
 from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
-from gradkit.curvature._solve import ShiftedOperator, shifted
+from gradkit.curvature._solve import ShiftedOperator, check_damping
 from gradkit.curvature._vectors import FlatVectors
 
 __all__ = [
@@ -220,7 +220,7 @@ class CurvatureOperator(FlatVectors):
     def __add__(self, damping: float) -> ShiftedOperator:
         """``op + damping``: the operator ``C + damping * I`` (e.g. for
         :func:`~gradkit.curvature.solve`), a :class:`ShiftedOperator`."""
-        return shifted(self, check_number(damping, f"{self._call} + damping", "damping"))
+        return ShiftedOperator(self, check_damping(damping, f"{self._call} + damping"))
 
     __radd__ = __add__
 

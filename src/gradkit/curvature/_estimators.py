@@ -144,10 +144,7 @@ class _Probes(NamedTuple):
     probes: int
 
 
-def _probes(
-    A: LinearOp, probes: Any, method: str, generator: torch.Generator | None, call: str
-) -> _Probes:
-    gen = generator if generator is not None else probe_generator(None, call)
+def _probes(A: LinearOp, probes: Any, method: str, gen: torch.Generator, call: str) -> _Probes:
     fix = f"pass more probes for method={method!r}, e.g. probes=100"
     minimum = 2 if method == "hutchinson" else 5
     probes = check_int(probes, call, "probes", low=minimum, fix=fix)

@@ -21,7 +21,7 @@ import torch
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_number, check_optional_int
 
-__all__ = ["ConvergenceWarning", "ShiftedOperator", "Solution", "shifted", "solve"]
+__all__ = ["ConvergenceWarning", "ShiftedOperator", "Solution", "check_damping", "solve"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -62,7 +62,7 @@ class ShiftedOperator:
         return out + self.shift * v.to(dtype=out.dtype, device=out.device)
 
     def __add__(self, other: Any) -> ShiftedOperator:
-        return shifted(self.op, self.shift + _shift(other, f"{self!r} + damping"))
+        return ShiftedOperator(self.op, self.shift + check_damping(other, f"{self!r} + damping"))
 
     __radd__ = __add__
 
@@ -81,13 +81,9 @@ class ShiftedOperator:
         return f"({self.op!r} + {self.shift:g})"
 
 
-def _shift(value: Any, call: str) -> float:
+def check_damping(value: Any, call: str) -> float:
+    """The ``damping`` of ``op + damping``: a finite real number."""
     return check_number(value, call, "damping", example=1e-3)
-
-
-def shifted(op: Any, shift: float) -> ShiftedOperator:
-    """``op + shift * I`` (``shift`` checked by the caller)."""
-    return ShiftedOperator(op, shift)
 
 
 class Solution(NamedTuple):
