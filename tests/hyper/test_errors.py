@@ -136,6 +136,16 @@ def call(**overrides):
             r"forward\(.*\): steps: expected an int.*, got 1.0",
         ),
         (
+            {"engine": hyper.forward, "chunk_size": 0},
+            ValueError,
+            r"forward\(.*\): chunk_size: expected an int >= 1, got 0; pass e.g. chunk_size=8",
+        ),
+        (
+            {"engine": hyper.forward, "chunk_size": 2.0},
+            TypeError,
+            r"forward\(.*\): chunk_size: expected an int.*, got 2.0",
+        ),
+        (
             {"engine": hyper.truncated, "steps": 0, "last": 0},
             ValueError,
             r"truncated\(.*\): steps: expected an int >= 1, got 0",
@@ -224,6 +234,8 @@ def test_batches_that_change_on_replay_are_caught(engine, every):
     Xb, Yb = torch.randn(30, 3, generator=gen, dtype=D), torch.randn(30, generator=gen, dtype=D)
     f = lambda p, b: ((Xb[b] @ p["w"] - Yb[b]) ** 2).mean()
     kw = {"steps": 4, "hyper": {"lr": LR}, "checkpoint_every": every}
+    if engine is hyper.reverse and every is None:
+        kw["memory_budget"] = None  # every state stored: every step replayed
     with pytest.raises(
         ValueError,
         match=r"batches: expected the same batch whenever step t is asked for \(steps are "

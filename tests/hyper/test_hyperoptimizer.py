@@ -52,6 +52,7 @@ def _problem(lr=0.5, momentum=0.5, l2=0.05, w=None):
 METHOD_OPTIONS = {
     "reverse": {},
     "reverse-checkpointed": {"method": "reverse", "checkpoint_every": 3},
+    "reverse-budget": {"method": "reverse", "memory_budget": "2KB"},
     "truncated": {"last": 5},
     "forward": {},
     "rtho": {},
@@ -334,6 +335,18 @@ def _kwargs(**over):
         ),
         ({"method": "truncated", "last": 1.5}, TypeError, r"last: expected an int.*, got 1.5"),
         ({"checkpoint_every": True}, TypeError, r"checkpoint_every: expected None"),
+        (
+            {"method": "forward", "memory_budget": "1GB"},
+            ValueError,
+            r"HyperOptimizer: memory_budget: expected 'auto' \(the default\) unless "
+            r"method='reverse' without checkpoint_every, got '1GB'",
+        ),
+        (
+            {"checkpoint_every": 2, "memory_budget": None},
+            ValueError,
+            r"memory_budget: expected 'auto'.*; drop memory_budget",
+        ),
+        ({"memory_budget": "much"}, ValueError, r"HyperOptimizer: memory_budget: expected None"),
         (
             {"method": "implicit", "implicit_options": "cg"},
             TypeError,

@@ -19,6 +19,7 @@ optimizer was built with or that the losses close over.
 """
 
 from gradkit._validate import expose
+from gradkit.hyper._budget import MemoryBudgetWarning
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import NotStationaryWarning, implicit
 from gradkit.hyper._optimizer import HyperOptimizer, HyperStep
@@ -36,6 +37,7 @@ __all__ = [
     "HyperOptimizer",
     "HyperResult",
     "HyperStep",
+    "MemoryBudgetWarning",
     "NotStationaryWarning",
     "forward",
     "implicit",

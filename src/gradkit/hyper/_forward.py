@@ -1,5 +1,5 @@
-"""Forward-mode hypergradients: tangents pushed through the dynamics with Jacobian-vector
-products (RFHO/FAR-HO's ``ForwardHG``).
+"""Forward-mode hypergradients: tangents pushed through the dynamics (RFHO/FAR-HO's
+``ForwardHG``).
 
 For one direction :math:`e` in hyperparameter space the tangent :math:`Z_t = ds_t/d\\lambda\\, e`
 follows the dynamics
@@ -7,139 +7,35 @@ follows the dynamics
 .. math:: Z_{t+1} = \\frac{\\partial \\Phi_t}{\\partial s_t} Z_t
           + \\frac{\\partial \\Phi_t}{\\partial \\lambda} e, \\qquad
           \\frac{dE}{d\\lambda} e = \\frac{\\partial E}{\\partial s_T} Z_T
-          + \\frac{\\partial E}{\\partial \\lambda} e
+          + \\frac{\\partial E}{\\partial \\lambda} e .
 
-computed by forward-mode AD (dual tensors of ``torch.autograd.forward_ad``) over the inner
-gradient (forward over reverse: one Hessian-vector product per step). Every step's graph is
-dropped as soon as the step is done, so memory does not grow with T; time is one pass of T
-steps per hyperparameter element.
-
-The losses may close over the hyperparameters, so a tensor cannot be swapped for a dual one:
-the hyperparameter receives its tangent in place (``h.copy_(dual of h)``, same values) for the
-duration of each step; its version counter is restored afterwards.
+Every hyperparameter element is a direction, and all directions of a pass share one run of the
+dynamics: each step computes the inner gradient once (with its graph) and adds, per direction,
+one backward pass through that graph and one elementwise dual pass of the update (see
+:mod:`gradkit.hyper._tangents`). Each step's graph is dropped when the step is done, so memory
+does not grow with T; it grows with the directions of a pass (one tangent of the state each),
+which ``chunk_size`` bounds.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
-from gradkit._forward_ad import load_decompositions
-from gradkit._tree import leaves, rebuild
-from gradkit._validate import check_bool
+from gradkit._tree import rebuild
+from gradkit._validate import check_bool, check_int
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
     check_hyper,
-    check_scalar,
     check_steps,
-    grads_of,
     unused_error,
 )
+from gradkit.hyper._tangents import Direction, advance, read, start
 
 __all__ = ["forward"]
-
-
-def _set_version(t: torch.Tensor, version: int) -> None:
-    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    if setter is None:  # pragma: no cover - older torch: the counter stays bumped
-        return
-    try:
-        setter((t,), (version,))
-    except TypeError:  # pragma: no cover - older signature
-        setter(t, version)
-
-
-@contextlib.contextmanager
-def _seeded(h: torch.Tensor, index: int) -> Iterator[None]:
-    """Give ``h`` the tangent ``e_index`` (inside a dual level), values unchanged; a negative
-    index gives no tangent."""
-    load_decompositions()
-    if index < 0:
-        yield
-        return
-    version = h._version
-    tangent = torch.zeros_like(h)
-    tangent.view(-1)[index] = 1
-    with torch.no_grad():
-        h.copy_(fwAD.make_dual(h.detach().clone(), tangent))
-    try:
-        yield
-    finally:
-        _set_version(h, version)
-
-
-Pair = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _unpack(t: torch.Tensor) -> Pair:
-    """``(primal, tangent or None)``, both cut from every graph."""
-    primal, tangent = fwAD.unpack_dual(t)
-    return primal.detach(), (None if tangent is None else tangent.detach())
-
-
-def _pack(pair: Pair, *, requires_grad: bool = False) -> torch.Tensor:
-    """A tensor (dual when it has a tangent) from ``(primal, tangent)``."""
-    primal, tangent = pair
-    x = primal.detach().requires_grad_(True) if requires_grad else primal
-    return x if tangent is None else fwAD.make_dual(x, tangent)
-
-
-def _pass(
-    dyn: Dynamics, steps: int, h: torch.Tensor, index: int
-) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """One run of the dynamics with the tangent ``e_index`` on ``h``:
-    ``(E, dE tangent or None, theta_T)``.
-
-    Each step runs in its own dual level and hands ``(primal, tangent)`` pairs to the next: a
-    level's exit drops every tangent made in it, which breaks the reference cycles that
-    tangents computed with grad mode on form with the graph (one level for the whole pass
-    keeps every step's activations alive, memory growing with T).
-    """
-    structure, opt, call = dyn.structure, dyn.opt, dyn.call
-    ps: list[Pair] = []
-    slots: dict[str, list[Pair]] = {}
-    counts: Any = None
-    for t in range(-1, steps):
-        with fwAD.dual_level(), _seeded(h, index):
-            if t < 0:  # the initial state: params0 may hold h itself (initial weights)
-                ps = [_unpack(p) for p in leaves(dyn.params0, structure, call, "params0")]
-                state = opt.init(dyn.params0)
-                counts = state.counts
-                slots = {
-                    f: [_unpack(v) for v in leaves(getattr(state, f), structure, call, f)]
-                    for f in opt.slots
-                }
-                continue
-            xs = [_pack(p, requires_grad=True) for p in ps]
-            params = rebuild(structure, xs)
-            state = dyn.state0._replace(
-                step=t,
-                counts=counts,
-                **{f: rebuild(structure, [_pack(v) for v in vs]) for f, vs in slots.items()},
-            )
-            with torch.enable_grad():
-                loss = dyn.inner_loss(params, dyn.batch(t))
-                gs = grads_of(loss, xs, call, create_graph=True)
-                grads = rebuild(structure, gs)
-                new_params, state = opt.update(grads, state, params)
-            dyn.record(t, state, grads)
-            counts = state.counts
-            ps = [_unpack(p) for p in leaves(new_params, structure, call, "params")]
-            slots = {
-                f: [_unpack(v) for v in leaves(getattr(state, f), structure, call, f)]
-                for f in opt.slots
-            }
-    with fwAD.dual_level(), _seeded(h, index):
-        value = check_scalar(
-            dyn.outer_loss(rebuild(structure, [_pack(p) for p in ps])), call, "outer_loss"
-        )
-        primal, tangent = _unpack(value)
-    return primal, tangent, [p for p, _ in ps]
 
 
 def forward(
@@ -151,19 +47,25 @@ def forward(
     steps: int,
     hyper: dict[str, torch.Tensor],
     batches: Any = None,
+    chunk_size: int | None = None,
     full_output: bool = False,
 ) -> Any:
     r"""Forward-mode hypergradient: the same quantity as :func:`reverse`, by tangents.
 
-    Memory is independent of ``steps`` (one step's graph and one tangent per state tensor);
-    time is ``n`` passes of ``steps`` steps, ``n`` the total number of hyperparameter
-    elements, each step costing about a gradient and a Hessian-vector product. The right
-    engine for a few scalar hyperparameters (learning rate, momentum, weight decay); use
-    :func:`reverse` for many (per-example weights).
+    Every hyperparameter element is a direction, and the directions share one run of the
+    dynamics: each step costs one inner gradient (with its graph) plus, per direction, a
+    backward pass through that graph (a Hessian-vector product) and an elementwise pass of the
+    update. Memory is independent of ``steps``: one step's graph and one tangent of the state
+    (parameters and optimizer slots) per direction. The right engine for a few scalar
+    hyperparameters (learning rate, momentum, weight decay); use :func:`reverse` for many
+    (per-example weights).
 
     Args:
         inner_loss, outer_loss, params0, opt, steps, hyper, batches: as :func:`reverse`
             (a parameter without a gradient at a step is skipped, as there).
+        chunk_size: the most directions one run of the dynamics carries (default: all);
+            ``k`` gives ``ceil(n / k)`` runs for ``n`` elements, each holding ``k`` tangents
+            of the state.
         full_output: return a :class:`HyperResult` (grads, outer loss, last iterate).
 
     Returns:
@@ -186,25 +88,31 @@ def forward(
     call = "forward(inner_loss, outer_loss, params0, opt)"
     names, hypers = check_hyper(hyper, call)
     steps = check_steps(steps, call)
+    directions: list[Direction] = [(j, i) for j, h in enumerate(hypers) for i in range(h.numel())]
+    if chunk_size is not None:
+        chunk = check_int(chunk_size, call, "chunk_size", low=1, example=8)
+    else:
+        chunk = max(1, len(directions))
     check_bool(full_output, call, "full_output")
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
-    grads = {
-        name: torch.zeros_like(h, memory_format=torch.contiguous_format)
-        for name, h in zip(names, hypers, strict=True)
-    }
-    value, final = None, None
-    for name, h in zip(names, hypers, strict=True):
-        flat = grads[name].view(-1)
-        for index in range(h.numel()):
-            value, tangent, final = _pass(dyn, steps, h, index)
-            if not dyn.any_gradient:
-                raise dyn.no_gradient_error()
-            if tangent is None:
-                raise unused_error(call, name)
-            flat[index] = tangent.to(flat.dtype)
-    grads = {name: g.detach() for name, g in grads.items()}
+    flat = [torch.zeros(h.numel(), dtype=h.dtype, device=h.device) for h in hypers]
+    reached = [False] * len(hypers)
+    for first in range(0, max(1, len(directions)), chunk):
+        part = directions[first : first + chunk]
+        traj = start(dyn, hypers, part)
+        for t in range(steps):
+            traj = advance(dyn, t, hypers, part, traj)
+        if not dyn.any_gradient:
+            raise dyn.no_gradient_error()
+        value, tangents = read(dyn, hypers, part, traj)
+        for (j, i), tangent in zip(part, tangents, strict=True):
+            if tangent is not None:
+                reached[j] = True
+                flat[j][i] = tangent.to(flat[j].dtype)
+    for name, h, ok in zip(names, hypers, reached, strict=True):
+        if not ok and h.numel() > 0:
+            raise unused_error(call, name)
+    grads = {name: f.view(h.shape) for name, f, h in zip(names, flat, hypers, strict=True)}
     if not full_output:
         return grads
-    if value is None or final is None:  # only empty hyperparameter tensors: no pass ran
-        value, _, final = _pass(dyn, steps, hypers[0], -1)
-    return HyperResult(grads, value, rebuild(dyn.structure, final))
+    return HyperResult(grads, value, rebuild(dyn.structure, [p.clone() for p in traj.ps]))

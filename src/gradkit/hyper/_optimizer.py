@@ -26,6 +26,7 @@ import torch
 from gradkit._errors import describe, message
 from gradkit._tree import leaves, rebuild, structure_of
 from gradkit._validate import check_bool, check_callable, check_choice
+from gradkit.hyper._budget import budget_bytes
 from gradkit.hyper._forward import forward
 from gradkit.hyper._implicit import implicit
 from gradkit.hyper._online import OnlineTangents
@@ -115,6 +116,7 @@ class HyperOptimizer:
         batches: as for :func:`reverse`; step ``t`` counts within one inner run (``"rtho"``:
             from the start of the run).
         checkpoint_every: ``"reverse"``/``"truncated"``: as for :func:`reverse`.
+        memory_budget: ``"reverse"``: as for :func:`reverse` (default ``"auto"``).
         last: ``"truncated"``: the number of steps back-propagated (required there).
         implicit_options: ``"implicit"``: keyword arguments of :func:`implicit` (``method``,
             ``tol``, ``maxiter``, ``alpha``, ``damping``, ``stationary_tol``, ``batch``).
@@ -161,6 +163,7 @@ class HyperOptimizer:
         projections: Mapping[str, Any] | None = None,
         batches: Any = None,
         checkpoint_every: int | str | None = None,
+        memory_budget: int | float | str | None = "auto",
         last: int | None = None,
         implicit_options: Mapping[str, Any] | None = None,
         warm_start: bool = False,
@@ -176,6 +179,18 @@ class HyperOptimizer:
         last = check_method_options(
             method, self.steps, checkpoint_every, last, implicit_options, warm_start
         )
+        if not (isinstance(memory_budget, str) and memory_budget == "auto"):
+            budget_bytes(memory_budget, torch.device("cpu"), _CALL)  # its type and value now
+            if method != "reverse" or checkpoint_every is not None:
+                raise ValueError(
+                    message(
+                        _CALL,
+                        "memory_budget",
+                        "'auto' (the default) unless method='reverse' without checkpoint_every",
+                        repr(memory_budget),
+                        "drop memory_budget (or checkpoint_every: the budget chooses the stride)",
+                    )
+                )
         check_bool(record, _CALL, "record")
         if callback is not None:
             check_callable(callback, _CALL, "callback", "a function (HyperStep) -> bool | None")
@@ -184,6 +199,7 @@ class HyperOptimizer:
         self.opt = opt
         self.batches = batches
         self.checkpoint_every = checkpoint_every
+        self.memory_budget = memory_budget
         self.last = last
         self.implicit_options = dict(implicit_options or {})
         self.warm_start = warm_start
@@ -230,7 +246,12 @@ class HyperOptimizer:
         res: HyperResult
         kw: dict[str, Any] = {**self._kwargs(), "full_output": True}
         if self.method == "reverse":
-            res = reverse(*args, checkpoint_every=self.checkpoint_every, **kw)
+            res = reverse(
+                *args,
+                checkpoint_every=self.checkpoint_every,
+                memory_budget=self.memory_budget,
+                **kw,
+            )
         elif self.method == "truncated":
             last = self.steps if self.last is None else self.last
             res = truncated(*args, last=last, checkpoint_every=self.checkpoint_every, **kw)

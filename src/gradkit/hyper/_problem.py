@@ -333,7 +333,9 @@ class Dynamics:
         with torch.enable_grad():
             return self.layout.flatten(self.params0, self.state0)
 
-    def _update(self, s: torch.Tensor, t: int, *, create_graph: bool) -> tuple[Any, Any, Any]:
+    def _update(
+        self, s: torch.Tensor, t: int, *, create_graph: bool, first: bool
+    ) -> tuple[Any, Any, Any]:
         params, state = self.layout.unflatten(s, step=t, counts=self.counts_at(t))
         ps = leaves(params, self.structure, self.call, "params")
         xs = ps if create_graph else [p.detach().requires_grad_(True) for p in ps]
@@ -342,7 +344,7 @@ class Dynamics:
                 self.inner_loss(rebuild(self.structure, xs), self.batch(t)), self.call, "inner_loss"
             )
             gs = grads_of(loss, xs, self.call, create_graph=create_graph)
-        if not create_graph:
+        if first:
             self._store_loss(t, loss.detach())
         else:
             self._compare_loss(t, loss.detach())
@@ -403,11 +405,19 @@ class Dynamics:
 
     def step(self, s: torch.Tensor, t: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``s_{t+1}`` from ``s_t`` without a graph (into ``out`` if given)."""
-        grads, state, params = self._update(s, t, create_graph=False)
+        grads, state, params = self._update(s, t, create_graph=False, first=True)
         with torch.no_grad():
             new_params, new_state = self.opt.update(grads, state, params)
             self.record(t, new_state, grads)
             return self.layout.flatten(new_params, new_state, out=out)
+
+    def graph_step(self, s: torch.Tensor, t: int) -> torch.Tensor:
+        """``s_{t+1}`` from ``s_t`` with the step's graph (a first run: kept, not replayed)."""
+        with torch.enable_grad():
+            grads, state, params = self._update(s, t, create_graph=True, first=True)
+            new_params, new_state = self.opt.update(grads, state, params)
+            self.record(t, new_state, grads)
+            return self.layout.flatten(new_params, new_state)
 
     def vjp(
         self, row: torch.Tensor, t: int, adjoint: torch.Tensor, hypers: Sequence[torch.Tensor]
@@ -416,7 +426,7 @@ class Dynamics:
         ``(adjoint of s_t, adjoint of each hyperparameter or None)``, one backward pass."""
         s = row.detach().requires_grad_(True)
         with torch.enable_grad():
-            grads, state, params = self._update(s, t, create_graph=True)
+            grads, state, params = self._update(s, t, create_graph=True, first=False)
             new_params, new_state = self.opt.update(grads, state, params)
             s_next = self.layout.flatten(new_params, new_state)
             res = torch.autograd.grad(s_next, [s, *hypers], adjoint, allow_unused=True)

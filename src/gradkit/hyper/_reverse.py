@@ -29,6 +29,7 @@ import torch
 
 from gradkit._errors import message
 from gradkit._validate import check_bool
+from gradkit.hyper._budget import budget_bytes, plan, saved_bytes
 from gradkit.hyper._problem import (
     Dynamics,
     HyperResult,
@@ -70,32 +71,74 @@ def _engine(
     checkpoint_every: Any,
     last: Any,
     full_output: Any,
+    memory_budget: Any = None,
 ) -> HyperResult:
     names, hypers = check_hyper(hyper, call)
     steps = check_steps(steps, call)
     check_bool(full_output, call, "full_output")
     span = steps if last is None else check_last(last, steps, call)
+    if checkpoint_every is not None and memory_budget not in (None, "auto"):
+        raise ValueError(
+            message(
+                call,
+                "checkpoint_every",
+                "None when memory_budget is given (the budget chooses the stride)",
+                repr(checkpoint_every),
+                "pass one of checkpoint_every and memory_budget",
+            )
+        )
     k = checkpoint_stride(checkpoint_every, span, call)
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
     start = steps - span
-    rows = -(-span // k)
     with hyper_leaves(hypers):
         s0 = dyn.initial()
         s = s0.detach()
-        history = s.new_empty((rows, dyn.layout.size))
-        for t in range(steps):
-            if t >= start and (t - start) % k == 0:
-                history[(t - start) // k].copy_(s)
+        budget = (
+            None if checkpoint_every is not None else budget_bytes(memory_budget, s.device, call)
+        )
+        for t in range(start):
             s = dyn.step(s, t)
+        kept, leaf, measured = 0, None, None
+        if budget is not None:  # the first differentiated step runs with its graph, measured
+            leaf = s.detach().requires_grad_(True)
+            with saved_bytes() as found:
+                measured = dyn.graph_step(leaf, start)
+            state_bytes = dyn.layout.size * s.element_size()
+            chosen = plan(budget, span, state_bytes, sum(found.values()), call)
+            kept, k = chosen.graphs, chosen.stride
+        end = steps - kept  # steps start .. end - 1 are replayed, end .. T - 1 keep their graphs
+        rows = -(-(end - start) // k)
+        history = s.new_empty((rows, dyn.layout.size))
+        for t in range(start, end):
+            if (t - start) % k == 0:
+                history[(t - start) // k].copy_(s)
+            s = measured.detach() if measured is not None and t == start else dyn.step(s, t)
+        if kept == 0:
+            leaf = measured = None  # drop the measured graph
+        elif measured is not None and end == start:  # all fit: the measured graph is the first
+            s = measured
+            for t in range(start + 1, steps):
+                s = dyn.graph_step(s, t)
+        else:
+            leaf = s = s.detach().requires_grad_(True)
+            for t in range(end, steps):
+                s = dyn.graph_step(s, t)
+        measured = None
         if not dyn.any_gradient:
             raise dyn.no_gradient_error()
         value, adjoint, direct, final = dyn.outer(s, hypers)
         total = sum_paths([None] * len(hypers), direct)
-        segment = s.new_empty((k - 1, dyn.layout.size))
+        if leaf is not None:  # back through the kept graphs in one pass
+            with torch.enable_grad():
+                res = torch.autograd.grad(s, [leaf, *hypers], adjoint, allow_unused=True)
+            adjoint = res[0] if res[0] is not None else torch.zeros_like(adjoint)
+            total = sum_paths(total, res[1:])
+        del s, leaf
+        segment = history.new_empty((k - 1, dyn.layout.size))
         for j in reversed(range(rows)):
             first = start + j * k
             states = [history[j]]
-            for i in range(1, min(k, steps - first)):
+            for i in range(1, min(k, end - first)):
                 states.append(dyn.step(states[-1], first + i - 1, out=segment[i - 1]))
             for i in reversed(range(len(states))):
                 adjoint, parts = dyn.vjp(states[i], first + i, adjoint, hypers)
@@ -126,6 +169,7 @@ def reverse(
     hyper: dict[str, torch.Tensor],
     batches: Any = None,
     checkpoint_every: int | str | None = None,
+    memory_budget: int | float | str | None = "auto",
     full_output: bool = False,
 ) -> Any:
     r"""Exact reverse-mode hypergradient of ``outer_loss`` after ``steps`` optimizer steps on
@@ -135,9 +179,12 @@ def reverse(
               (\theta_{t+1}, \sigma_{t+1}) = \text{opt.update}(\nabla_\theta
               L(\theta_t, \lambda; b_t), \sigma_t, \theta_t), \quad \theta_0 = \text{params0}
 
-    The states are stored in one preallocated ``[T, |s|]`` buffer (``|s|`` = parameters +
-    optimizer slots) and each step is replayed once with a vector-Jacobian product; the
-    unrolled graph is never built.
+    Within ``memory_budget``, the last steps keep their graphs (one backward pass through
+    them, as the unrolled graph: no replay); the states of the other steps are stored in one
+    preallocated buffer (``|s|`` = parameters + optimizer slots each) and each of those steps
+    is replayed once with a vector-Jacobian product; when even the states do not fit, only
+    every k-th is stored and the segments are recomputed. The result is the same whatever the
+    plan (up to float rounding).
 
     Args:
         inner_loss: ``inner_loss(params, batch) -> scalar``; ``params`` mirrors ``params0``. It
@@ -158,7 +205,20 @@ def reverse(
             twice: forward, then replayed); ``k`` stores every k-th state and recomputes each
             segment (memory ``(ceil(T/k) + k - 1) |s|``, one more forward per step);
             ``"sqrt"`` uses ``k = ceil(sqrt(T))``; ``k > T`` stores only the first state. The
-            result is the same.
+            result is the same. Keeps no graph (``memory_budget`` must then be ``"auto"`` or
+            None, and is not used).
+        memory_budget: bytes for kept graphs and stored states: a number, a size such as
+            ``"2GB"`` or ``"512MiB"``, ``"auto"`` (the default: an eighth of the memory
+            available on the parameters' device when the call starts), or None (no graph
+            kept, every state stored: the least time without graphs, ``T |s|`` bytes). A
+            step's graph is measured on the first step (the storages autograd saves for it).
+            Everything fits: the unrolled graph's time; otherwise as many of the last steps'
+            graphs as fit beside the other states; below ``T |s|``: the checkpoint stride that
+            fits; below square-root checkpointing's need: that, with a
+            :class:`MemoryBudgetWarning`. On CPU the process's resident memory can exceed the
+            budget: glibc's allocator keeps freed blocks of the many transient step tensors
+            (measured up to 4x on the suite's MLP; ``MALLOC_MMAP_THRESHOLD_=65536`` removes
+            most of it).
         full_output: return a :class:`HyperResult` (grads, outer loss, last iterate).
 
     Returns:
@@ -202,6 +262,7 @@ def reverse(
         checkpoint_every,
         None,
         full_output,
+        memory_budget,
     )
     return res if full_output else res.grads
 
