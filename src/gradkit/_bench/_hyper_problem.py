@@ -15,6 +15,7 @@ import torch
 from gradkit import hyper, optim
 
 __all__ = [
+    "BUDGETS",
     "CASES",
     "LR",
     "MOMENTUM",
@@ -121,22 +122,42 @@ def unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor
     return torch.cat([g.reshape(-1) for g in grads])
 
 
+BUDGETS = {"reverse": None, "reverse_graphs": "8GB", "reverse_part": "1GB", "reverse_small": "20MB"}
+"""The memory budget of each ``reverse`` method: every state stored (no graph), room for every
+step's graph, for part of them (the last steps' graphs, the other states stored), and for
+checkpoints only."""
+
+
 def gradkit_engine(
     problem: Problem, steps: int, names: tuple[str, ...], engine: str
 ) -> torch.Tensor:
-    """``reverse``, ``reverse`` checkpointed every sqrt(T) steps, or ``forward``."""
+    """``forward``, ``reverse`` checkpointed every sqrt(T) steps, or ``reverse`` within one of
+    the :data:`BUDGETS`."""
     h = problem.hypers()
     inner, outer = problem.losses(h)
     opt = optim.sgd(lr=h["lr"], momentum=h["momentum"])
     chosen = {k: h[k] for k in names}
     if engine == "forward":
         grads = hyper.forward(inner, outer, problem.params0, opt, steps=steps, hyper=chosen)
-    else:
-        every = "sqrt" if engine == "reverse_ckpt" else None
+    elif engine == "reverse_ckpt":
         grads = hyper.reverse(
-            inner, outer, problem.params0, opt, steps=steps, hyper=chosen, checkpoint_every=every
+            inner, outer, problem.params0, opt, steps=steps, hyper=chosen, checkpoint_every="sqrt"
+        )
+    else:
+        grads = hyper.reverse(
+            inner,
+            outer,
+            problem.params0,
+            opt,
+            steps=steps,
+            hyper=chosen,
+            memory_budget=BUDGETS[engine],
         )
     return torch.cat([grads[k].reshape(-1) for k in names])
+
+
+def _engine(engine: str) -> Callable[[Problem, int, tuple[str, ...]], torch.Tensor]:
+    return lambda p, t, n: gradkit_engine(p, t, n, engine)
 
 
 def higher_unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> torch.Tensor:
@@ -177,22 +198,32 @@ def torchopt_unroll(problem: Problem, steps: int, names: tuple[str, ...]) -> tor
 _WEIGHTS: dict[str, tuple[str, Callable[[Problem, int, tuple[str, ...]], torch.Tensor]]] = {
     "unroll": ("plain unrolled graph (torch autograd, create_graph at every step)", unroll),
     "reverse": (
-        "gradkit.hyper.reverse (stored states)",
-        lambda p, t, n: gradkit_engine(p, t, n, "reverse"),
+        "gradkit.hyper.reverse, memory_budget=None (stored states)",
+        _engine("reverse"),
     ),
-    "reverse_ckpt": (
-        "gradkit.hyper.reverse, checkpoint_every='sqrt'",
-        lambda p, t, n: gradkit_engine(p, t, n, "reverse_ckpt"),
+    "reverse_graphs": (
+        "gradkit.hyper.reverse, memory_budget='8GB' (every graph kept)",
+        _engine("reverse_graphs"),
     ),
+    "reverse_part": (
+        "gradkit.hyper.reverse, memory_budget='1GB' (the last graphs, stored states)",
+        _engine("reverse_part"),
+    ),
+    "reverse_small": (
+        "gradkit.hyper.reverse, memory_budget='20MB' (checkpoints)",
+        _engine("reverse_small"),
+    ),
+    "reverse_ckpt": ("gradkit.hyper.reverse, checkpoint_every='sqrt'", _engine("reverse_ckpt")),
     "higher": ("higher.innerloop_ctx + torch.optim.SGD", higher_unroll),
     "torchopt": ("torchopt.sgd, functional, inplace=False", torchopt_unroll),
 }
 _LR_MOMENTUM: dict[str, tuple[str, Callable[[Problem, int, tuple[str, ...]], torch.Tensor]]] = {
     "unroll": _WEIGHTS["unroll"],
     "reverse": _WEIGHTS["reverse"],
+    "reverse_graphs": _WEIGHTS["reverse_graphs"],
     "forward": (
-        "gradkit.hyper.forward (2 tangent passes)",
-        lambda p, t, n: gradkit_engine(p, t, n, "forward"),
+        "gradkit.hyper.forward (one run, 2 directions)",
+        _engine("forward"),
     ),
 }
 CASES = {
