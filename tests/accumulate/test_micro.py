@@ -207,3 +207,20 @@ def test_split_batch_structures_and_errors():
         split_batch(torch.zeros(3))
     with pytest.raises(TypeError, match="batch: expected a tensor"):
         split_batch(3, micro_batch_size=1)
+
+
+def test_last_must_be_a_bool_or_none():
+    model = nn.Linear(2, 1)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with (
+        pytest.raises(
+            TypeError,
+            match=r"Accumulator.micro_step\(count\): last: expected None, True or False, got "
+            r"'yes'; pass a bool",
+        ),
+        acc.micro_step(count=1, last="yes"),
+    ):
+        pass
+    with acc.micro_step(count=2, last=True):  # without FSDP it changes nothing
+        acc.backward(model(torch.ones(2, 2)).sum())
+    assert acc.step().count == 2

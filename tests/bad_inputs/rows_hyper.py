@@ -212,6 +212,7 @@ ROWS = [
             steps=4,
             hyper={"lr": LR},
             batches=_fresh_batches(),
+            memory_budget=None,  # states stored and replayed (kept graphs replay nothing)
         ),
         raises=ValueError,
         words=(REV, "batches", "the same batch whenever step t is asked for", "replayed"),

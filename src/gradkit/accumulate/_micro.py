@@ -23,13 +23,14 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
+from gradkit._sharded import fsdp2_modules, is_dtensor, local, refuse_fsdp1
 from gradkit._validate import check_choice, check_module
 from gradkit.accumulate._batches import batch_size, split_batch
 from gradkit.accumulate._micro_checks import (
@@ -43,6 +44,7 @@ from gradkit.accumulate._micro_checks import (
     check_scheduler,
     find_ddp,
     is_bad,
+    prepare_fsdp2,
     read_counts,
     resolve_count,
 )
@@ -52,6 +54,8 @@ from gradkit.accumulate._window import (
     clip_,
     divide_,
     float64_compensation,
+    scale_,
+    sharded_norm,
 )
 
 __all__ = ["Accumulator", "StepResult", "split_batch"]
@@ -87,7 +91,10 @@ class Accumulator:
     """Exact gradient accumulation over micro-batches for a model and its optimizer.
 
     Args:
-        model: the model (possibly wrapped in ``DistributedDataParallel``).
+        model: the model (possibly wrapped in ``DistributedDataParallel``, or sharded with
+            FSDP2's ``fully_shard``: FSDP then sums the gradient shards over the ranks, once
+            per window when the last micro-step is known, and the norm is the global one;
+            every rank runs the same number of micro-steps; FSDP1 is refused).
         optimizer: its optimizer; it must hold at least one trainable parameter of ``model``
             (else ``ValueError``). Only the optimizer's parameters are reduced, divided,
             clipped, stepped and zeroed.
@@ -162,6 +169,11 @@ class Accumulator:
         check_scaler(scaler, call)
         check_scheduler(scheduler, optimizer, call)
         check_optimizer_covers(model, optimizer, call)
+        refuse_fsdp1(model, call)
+        self._fsdp = fsdp2_modules(model)
+        self._fsdp_group = (
+            prepare_fsdp2(self._fsdp, optimizer, scaler, call) if self._fsdp else None
+        )
         self.model, self.optimizer = model, optimizer
         self.scaler, self.scheduler = scaler, scheduler
         self.skip_nonfinite = skip_nonfinite
@@ -172,6 +184,7 @@ class Accumulator:
         self._in_micro = False
         self._backward_done = False
         self._pending: int | None = None  # examples of the micro-batch split() just yielded
+        self._pending_last: bool | None = None  # whether it is the batch's last one
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -204,14 +217,16 @@ class Accumulator:
             batch, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches
         )
         try:
-            for part in parts:
+            for i, part in enumerate(parts):
                 self._pending = batch_size(part)
+                self._pending_last = i == len(parts) - 1
                 yield part
         finally:
             self._pending = None
+            self._pending_last = None
 
     @contextlib.contextmanager
-    def micro_step(self, count: Any = None) -> Iterator[None]:
+    def micro_step(self, count: Any = None, *, last: bool | None = None) -> Iterator[None]:
         """One micro-step: run the micro-batch's forward and :meth:`backward` inside.
 
         Args:
@@ -224,6 +239,10 @@ class Accumulator:
                 waits for the device. A NaN, inf or negative count skips the window
                 (``skip_nonfinite=True``) or raises ``ValueError`` (for a tensor count, from
                 :meth:`step`, which then changes nothing).
+            last: FSDP2 only: whether this is the window's last micro-step on this rank. FSDP
+                then reduce-scatters once, in its backward, and the earlier micro-steps keep
+                their gradients local. Micro-batches from :meth:`split` know it; ``None`` (not
+                known) reduce-scatters in every micro-step, which is exact too.
 
         If the block raises after :meth:`backward`, the micro-step still counts (its gradient
         is in ``.grad``); if it raises before, nothing was added.
@@ -232,6 +251,11 @@ class Accumulator:
         if self._in_micro:
             raise GradkitError(f"{call}: micro-steps do not nest; close the previous one first")
         pending, self._pending = self._pending, None
+        pending_last, self._pending_last = self._pending_last, None
+        if last is not None and not isinstance(last, bool):
+            raise TypeError(
+                message(call, "last", "None, True or False", describe(last), "pass a bool")
+            )
         value = resolve_count(count, pending, self.normalize, self.skip_nonfinite, call)
         if self._micro_steps == 0 and self.windows == 0:
             self._check_clean_start()  # later windows start clean: step() zeroes
@@ -241,6 +265,10 @@ class Accumulator:
         ddp = find_ddp(self.model)
         if ddp is not None:
             ctx = ddp.no_sync()  # step() all-reduces once
+        elif self._fsdp:  # FSDP reduce-scatters in the last micro-step's backward
+            ctx = _gradient_sync(
+                self._fsdp, (last if last is not None else pending_last) is not False
+            )
         self._in_micro, self._backward_done = True, False
         try:
             with ctx:
@@ -290,7 +318,7 @@ class Accumulator:
         self._backward_done = True
 
     def _check_clean_start(self) -> None:
-        stale = [p for p in self.params if p.grad is not None and bool(p.grad.any())]
+        stale = [p for p in self.params if p.grad is not None and bool(local(p.grad).any())]
         if stale:
             raise GradkitError(
                 "Accumulator.micro_step(): parameters already hold gradients "
@@ -383,9 +411,10 @@ class Accumulator:
                 "across ranks; use dense gradients (sparse=False); nothing was changed"
             )
         params = self.params
-        if self._distributed:
-            all_reduce_grads(params, present, self.group)
-        grads = [p.grad for p in params if p.grad is not None]
+        if self._distributed:  # FSDP has reduced its shards; the rest is all-reduced here
+            plain = [i for i, p in enumerate(params) if not is_dtensor(p)]
+            all_reduce_grads([params[i] for i in plain], [present[i] for i in plain], self.group)
+        grads = [local(p.grad) for p in params if p.grad is not None]
         check = self.scaler is None and self.skip_nonfinite
         finite = divide_(
             grads,
@@ -396,8 +425,12 @@ class Accumulator:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm: float | None = None
-        if self.max_grad_norm is not None:
-            norm = clip_([p.grad for p in params if p.grad is not None], self.max_grad_norm)
+        if self._fsdp and self._fsdp_group is not None:
+            finite, norm = sharded_norm(params, finite, self.max_grad_norm, self._fsdp_group)
+            if norm is not None and self.max_grad_norm is not None:
+                scale_(grads, norm, self.max_grad_norm)
+        elif self.max_grad_norm is not None:
+            norm = clip_(grads, self.max_grad_norm)
         if self.scaler is not None:
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -415,3 +448,16 @@ class Accumulator:
         if self.scheduler is not None:
             self.scheduler.step()
         return self._finish(StepResult(True, count, self._micro_steps, norm))
+
+
+@contextlib.contextmanager
+def _gradient_sync(modules: list[nn.Module], sync: bool) -> Iterator[None]:
+    """FSDP2's gradient reduction on (``sync``) or off for the block; on again afterwards."""
+    fsdp = [cast(Any, m) for m in modules]
+    for m in fsdp:
+        m.set_requires_gradient_sync(sync, recurse=False)
+    try:
+        yield
+    finally:
+        for m in fsdp:
+            m.set_requires_gradient_sync(True, recurse=False)

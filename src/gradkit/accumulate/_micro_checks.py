@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ __all__ = [
     "check_scheduler",
     "find_ddp",
     "is_bad",
+    "prepare_fsdp2",
     "read_counts",
     "resolve_count",
 ]
@@ -305,3 +306,44 @@ def check_ddp_forward(model: nn.Module, call: str) -> None:
             "model.module directly, pass the unwrapped module to Accumulator instead: it "
             "all-reduces over the process group itself"
         )
+
+
+def prepare_fsdp2(
+    modules: list[nn.Module], optimizer: torch.optim.Optimizer, scaler: Any, call: str
+) -> Any:
+    """Check an FSDP2 model for :class:`Accumulator` and set each FSDP module's gradient divide
+    factor to 1, with plain-sum collectives (FSDP then sums over the ranks; ``step()`` divides
+    by the window's count).
+    Returns the process group of the parameters' device mesh (None without sharded
+    parameters)."""
+    if scaler is not None:
+        raise GradkitError(
+            f"{call}: scaler with an FSDP2 model: GradScaler's inf/NaN check sees only this "
+            "rank's gradient shards; train in bfloat16 (FSDP's MixedPrecisionPolicy) without a "
+            "scaler, or pass scaler=None"
+        )
+    for module in modules:
+        m = cast(Any, module)
+        if not callable(getattr(m, "set_gradient_divide_factor", None)):
+            raise GradkitError(
+                f"{call}: this torch's FSDP2 module has no set_gradient_divide_factor, so its "
+                "reduction's scaling cannot be fixed; upgrade torch (2.6 or later)"
+            )
+        m.set_gradient_divide_factor(1.0)
+        force_sum = getattr(m, "set_force_sum_reduction_for_comms", None)
+        if callable(force_sum):  # a plain sum (gloo has no pre-multiplied sum)
+            force_sum(True)
+    group = None
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is None:
+                continue
+            if mesh.ndim != 1:
+                raise GradkitError(
+                    f"{call}: a parameter sharded over a {mesh.ndim}-D device mesh (HSDP); "
+                    "the accumulator supports FSDP2 over a 1-D mesh; shard with "
+                    "fully_shard(module, mesh=init_device_mesh(device, (world_size,)))"
+                )
+            group = mesh.get_group() if group is None else group
+    return group

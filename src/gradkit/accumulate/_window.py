@@ -17,12 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradkit._sharded import is_dtensor, local
+
 __all__ = [
     "all_reduce_grads",
     "all_reduce_tally",
     "clip_",
     "divide_",
     "float64_compensation",
+    "scale_",
+    "sharded_norm",
     "total_norm",
 ]
 
@@ -136,6 +140,12 @@ def clip_(grads: list[torch.Tensor], max_norm: float) -> float:
     no epsilon: the clipped norm is ``max_norm`` to rounding); return :math:`\|g\|` before
     clipping. A non-finite norm leaves the gradients as they are."""
     norm = total_norm(grads)
+    scale_(grads, norm, max_norm)
+    return norm
+
+
+def scale_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Clip ``grads``, whose total norm is ``norm``, to ``max_norm`` in place."""
     if math.isfinite(norm) and norm > max_norm:
         factor = max_norm / norm
         dense = [g for g in grads if not g.is_sparse]
@@ -144,4 +154,21 @@ def clip_(grads: list[torch.Tensor], max_norm: float) -> float:
         for g in grads:
             if g.is_sparse:
                 g.mul_(factor)
-    return norm
+
+
+def sharded_norm(
+    params: list[torch.Tensor], finite: bool, max_norm: float | None, group: Any
+) -> tuple[bool, float | None]:
+    """Whether every rank's gradients are finite, and (with ``max_norm``) the norm of the whole
+    gradient: the squared norms of this rank's shards summed over the ranks (one all-reduce of
+    two numbers, with the finiteness flag), plus those of the replicated gradients."""
+    shards = [local(p.grad) for p in params if p.grad is not None and is_dtensor(p.grad)]
+    whole = [p.grad for p in params if p.grad is not None and not is_dtensor(p.grad)]
+    device = shards[0].device if shards else torch.device("cpu")
+    squares = total_norm(shards) ** 2 if max_norm is not None else 0.0
+    t = torch.tensor([0.0 if finite else 1.0, squares], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    bad, total = (float(v) for v in t.tolist())
+    if max_norm is None:
+        return bad == 0, None
+    return bad == 0, math.sqrt(total + total_norm(whole) ** 2)

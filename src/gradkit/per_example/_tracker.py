@@ -66,6 +66,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, message
+from gradkit._sharded import is_dtensor, refuse_fsdp1
 from gradkit._validate import check_bool, check_choice, check_int, check_module, check_optional_int
 from gradkit.per_example._batch import (
     ModelCall,
@@ -147,6 +148,7 @@ class Tracker(TrackerResults):
     ) -> None:
         call = "per_example.track(model, ...)"
         check_module(model, call, "pass the model whose parameters to track")
+        refuse_fsdp1(model, call)
         self._want = parse_want(quantities, moments, call)
         self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
@@ -392,6 +394,8 @@ class Tracker(TrackerResults):
         """Whether this call's weight gradient can be summed from the per-example gradients
         the statistics will materialize (a Linear on sequences, see :mod:`._fused`)."""
         if not self._fuse or st.transposed is None or st.shared or st.batch_dim != 0:
+            return False
+        if is_dtensor(st.module.weight):  # FSDP2: the forward used its own gathered weight
             return False
         if not (self._want.powers or "batch_grad" in self._want.quantities):
             return False
