@@ -12,10 +12,12 @@ Pillars (each a subpackage):
   hypergradients (reverse with replay and checkpointing, forward, truncated, implicit).
 * :mod:`gradkit.curvature`: matrix-free Hessian, GGN and Fisher operators, diagonals, traces,
   eigenvalues.
+* :mod:`gradkit.monitor`: gradient statistics over training, logged (and
+  :mod:`gradkit.integrations` for the Hugging Face ``Trainer``).
 * :mod:`gradkit.testing`: the oracles every result is checked against.
 """
 
-from gradkit import accumulate, curvature, func, hyper, optim, per_example, testing
+from gradkit import accumulate, curvature, func, hyper, monitor, optim, per_example, testing
 from gradkit._errors import GradkitError
 from gradkit._validate import expose
 from gradkit._version import __version__
@@ -27,6 +29,7 @@ __all__ = [
     "curvature",
     "func",
     "hyper",
+    "monitor",
     "optim",
     "per_example",
     "testing",

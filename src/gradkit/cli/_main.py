@@ -3,7 +3,8 @@
 Commands: ``demo`` (train a small CNN on the bundled digits, write a report), ``info``
 (versions, device, optional peers), ``bench`` (gradkit against its peers; every argument after
 ``bench`` goes to the benchmark runner), ``hyperclean`` (data hyper-cleaning with
-:mod:`gradkit.hyper`, writes a report). Heavy or optional imports happen inside the commands,
+:mod:`gradkit.hyper`, writes a report), ``monitor-report`` (the plots of a
+:class:`gradkit.monitor.GradientMonitor` log). Heavy or optional imports happen inside the commands,
 so ``--help``, ``--version`` and ``info`` work on a bare install.
 
 Exit status: 0 on success, 2 for bad command-line input or a command that cannot run here
@@ -183,6 +184,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="no progress bar (it is also off when stderr is not a terminal)",
     )
     commands["hyperclean"] = clean
+
+    report = sub.add_parser(
+        "monitor-report",
+        help="plots of a GradientMonitor's JSON-lines log",
+        description="Turn the JSON-lines log of a gradkit.monitor.GradientMonitor into a report: "
+        "<OUT>/<timestamp>/report.md with plots of the noise scale, gradient norm, per-example "
+        "norm quantiles and CABS batch size over the steps, the median SNR and noise scale per "
+        "layer, and metrics.json.",
+        epilog="Needs matplotlib (the demo extra: pip install 'gradkit[demo]').",
+    )
+    report.add_argument(
+        "log", metavar="LOG", help="the log file, or a folder holding one .jsonl file"
+    )
+    report.add_argument(
+        "--out",
+        default="runs",
+        metavar="DIR",
+        help="folder for run outputs; each report gets DIR/<timestamp>/ (default: runs)",
+    )
+    commands["monitor-report"] = report
     return parser, commands
 
 
@@ -276,11 +297,30 @@ def _cmd_hyperclean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_monitor_report(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("matplotlib") is None:
+        _say(
+            "monitor-report",
+            "needs matplotlib; install the demo extra: pip install 'gradkit[demo]'",
+        )
+        return 2
+    from gradkit.cli._monitor_report import LogError, monitor_report
+
+    try:
+        path = monitor_report(args.log, args.out)
+    except LogError as err:
+        _say("monitor-report", str(err))
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _cmd_demo,
     "info": _cmd_info,
     "bench": _cmd_bench,
     "hyperclean": _cmd_hyperclean,
+    "monitor-report": _cmd_monitor_report,
 }
 
 
@@ -308,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest[:1] == ["--"]:
         rest = rest[1:]
     args.rest = rest
-    out = args.out if args.command in ("demo", "hyperclean") else None
+    out = args.out if args.command in ("demo", "hyperclean", "monitor-report") else None
     if args.command == "bench":
         out = bench_out(rest)
     what = "result files" if args.command == "bench" else "run folders"

@@ -1,0 +1,200 @@
+"""GradientMonitor against the one-example-at-a-time oracle (float64), its schedule, its
+writers and its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gradkit import GradkitError
+from gradkit.monitor import QUANTILES, GradientMonitor, read_records
+
+D = torch.float64
+
+
+def problem(n=12):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).to(D)
+    x = torch.randn(n, 3, dtype=D)
+    y = torch.randint(0, 2, (n,))
+    return model, x, y
+
+
+def per_example(model, x, y):
+    """``{name: [n, *shape]}`` by one backward per example."""
+    out = {n: [] for n, _ in model.named_parameters()}
+    for i in range(len(x)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for n, p in model.named_parameters():
+            out[n].append(p.grad.clone())
+    model.zero_grad()
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def reduced(g: dict[str, torch.Tensor]) -> dict[str, float]:
+    mean = torch.cat([v.mean(0).reshape(-1) for v in g.values()])
+    var = torch.cat([v.var(0, unbiased=True).reshape(-1) for v in g.values()])
+    ok = var > 0
+    return {
+        "grad_norm": float(mean.norm()),
+        "noise_scale": float(var.sum() / mean.square().sum()),
+        "snr_median": float((mean[ok].square() / var[ok]).median()),
+    }
+
+
+def test_a_tracked_step_logs_the_oracle_statistics_over_its_micro_batches():
+    model, x, y = problem()
+    g = per_example(model, x, y)
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    monitor = GradientMonitor(model, optimizer=opt)
+    with monitor.step() as step:
+        for part in (slice(0, 5), slice(5, 12)):  # two micro-batches, unequal
+            loss = nn.functional.cross_entropy(model(x[part]), y[part])
+            loss.backward()
+        step.loss = 0.7
+    (record,) = monitor.records
+    assert record is step.record and record["step"] == 0 and record["examples"] == 12
+    want = reduced(g)
+    for key, value in want.items():
+        assert record[key] == pytest.approx(value, rel=1e-10), key
+    norms = torch.stack(
+        [torch.cat([v[i].reshape(-1) for v in g.values()]).norm() for i in range(12)]
+    )
+    for level, q in zip(QUANTILES, torch.quantile(norms, torch.tensor(QUANTILES, dtype=D))):
+        assert record[f"example_norm_q{round(level * 100)}"] == pytest.approx(float(q), rel=1e-10)
+    trace = sum(float(v.var(0, unbiased=True).sum()) for v in g.values())
+    assert record["cabs_batch_size"] == round(5.0 * trace / 0.7) > 1 and record["loss"] == 0.7
+    for layer in ("0", "2"):
+        sub = {n: v for n, v in g.items() if n.startswith(layer + ".")}
+        for key, value in reduced(sub).items():
+            assert record["layers"][layer][key] == pytest.approx(value, rel=1e-10)
+
+
+def test_untracked_steps_install_nothing_and_every_picks_the_steps():
+    model, x, y = problem()
+    seen = []
+    monitor = GradientMonitor(model, every=3, writer=seen.append)
+    for i in range(7):
+        with monitor.step() as step:
+            hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+            assert (hooks > 0) == step.tracked == (i % 3 == 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+        if not step.tracked:
+            assert step.stats is None and step.record is None
+        model.zero_grad()
+    assert [r["step"] for r in seen] == [0, 3, 6] and seen == monitor.records
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())
+
+
+def test_explicit_step_numbers_and_the_pair_of_calls():
+    model, x, y = problem()
+    monitor = GradientMonitor(model, every=5, layers=False)
+    step = monitor.begin(10)
+    nn.functional.cross_entropy(model(x), y).backward()
+    record = monitor.end(loss=torch.tensor(0.5, dtype=D))
+    assert record is not None and record["step"] == 10 and "layers" not in record
+    assert "cabs_batch_size" not in record and record["loss"] == 0.5  # no learning rate known
+    assert monitor.begin().index == 11 and monitor.end() is None and step.tracked
+
+
+def test_a_failed_step_removes_the_hooks_and_logs_nothing():
+    model, x, y = problem()
+    monitor = GradientMonitor(model)
+    with pytest.raises(RuntimeError, match="boom"), monitor.step():
+        model(x)
+        raise RuntimeError("boom")
+    assert not monitor.records
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())
+    with monitor.step():  # the monitor goes on
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert [r["step"] for r in monitor.records] == [1]
+
+
+def test_json_lines_and_tensorboard_writers(tmp_path):
+    model, x, y = problem()
+
+    class Board:
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, tag, value, step):
+            self.scalars.append((tag, value, step))
+
+    board = Board()
+    path = tmp_path / "logs" / "grads.jsonl"
+    monitor = GradientMonitor(model, every=2, writer=[str(path), board])
+    for _ in range(4):
+        with monitor.step():
+            nn.functional.cross_entropy(model(x), y).backward()
+    assert read_records(path) == json.loads(json.dumps(monitor.records))
+    tags = {tag for tag, _, _ in board.scalars}
+    assert {"gradkit/noise_scale", "gradkit/layers/0/snr_median", "gradkit/examples"} <= tags
+    assert {step for _, _, step in board.scalars} == {0, 2}
+    assert all(math.isfinite(v) for _, v, _ in board.scalars)
+
+
+def test_a_real_summary_writer(tmp_path):
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+    model, x, y = problem()
+    writer = tensorboard.SummaryWriter(str(tmp_path))
+    monitor = GradientMonitor(model, writer=writer)
+    with monitor.step():
+        nn.functional.cross_entropy(model(x), y).backward()
+    writer.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+def test_an_undefined_ratio_is_logged_as_null(tmp_path):
+    """A zero mean gradient with noise: the noise scale is infinite; JSON gets null."""
+    model = nn.Linear(1, 1, bias=False).to(D)
+    x = torch.tensor([[1.0], [-1.0]], dtype=D)
+    path = tmp_path / "g.jsonl"
+    monitor = GradientMonitor(model, writer=path, loss_reduction="sum")
+    with monitor.step():
+        model(x).sum().backward()  # gradients +1 and -1
+    (record,) = read_records(path)
+    assert record["noise_scale"] is None and record["grad_norm"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"quantities": ("batch_l2",)}, ValueError, r"quantities: expected 'variance' among"),
+        ({"quantities": "variance"}, TypeError, r"quantities: expected a tuple of quantity"),
+        ({"every": 0}, ValueError, r"every: expected an int >= 1, got 0"),
+        ({"writer": 3}, TypeError, r"writer: expected None, a path \(JSON lines\)"),
+        ({"optimizer": "sgd"}, TypeError, r"optimizer: expected None or a torch.optim"),
+        ({"lr": -1.0}, ValueError, r"lr: expected None or a number > 0, got -1.0"),
+        ({"loss_reduction": "avg"}, ValueError, r"loss_reduction"),
+    ],
+)
+def test_bad_arguments(kwargs, error, pattern):
+    model, _, _ = problem()
+    with pytest.raises(error, match=pattern):
+        GradientMonitor(model, **kwargs)
+
+
+def test_steps_must_not_overlap():
+    model, x, y = problem()
+    monitor = GradientMonitor(model)
+    with pytest.raises(GradkitError, match=r"no step is open"):
+        monitor.end()
+    monitor.begin()
+    with pytest.raises(GradkitError, match=r"step 0 is still open"):
+        monitor.begin()
+    monitor.end(failed=True)
+
+
+def test_read_records_names_a_bad_line(tmp_path):
+    path = tmp_path / "g.jsonl"
+    path.write_text('{"step": 0}\n\nnot json\n')
+    with pytest.raises(ValueError, match=r"line 3 is not JSON"):
+        read_records(path)
+    path.write_text('{"step": 0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"line 2 is not a monitor record"):
+        read_records(path)
