@@ -73,6 +73,11 @@ class GradientMonitor:
         lr: the learning rate, when there is no ``optimizer``.
         layers: also summarize each layer (parameters grouped by module).
         loss_reduction: as for ``track``: ``"mean"`` or ``"sum"``.
+        scale_to_grad: with ``loss_reduction="sum"``, take the individual gradients times
+            the step's number of examples, so that their mean is the gradient the step's
+            backward passes summed into ``.grad``, whatever the loss was divided by by hand
+            (a token count, the number of micro-batches): what trainers that normalize the
+            loss themselves need. The noise scale and the SNR do not depend on it.
         group: the process group for merging ranks (default: the world).
         **track_options: further keyword arguments of :func:`gradkit.per_example.track`
             (``batch_dim``, ``fallback``, ``max_memory``, ...).
@@ -112,6 +117,7 @@ class GradientMonitor:
         lr: float | None = None,
         layers: bool = True,
         loss_reduction: str = "mean",
+        scale_to_grad: bool = False,
         group: Any = None,
         **track_options: Any,
     ) -> None:
@@ -138,6 +144,18 @@ class GradientMonitor:
             )
         self.every = check_int(every, _CALL, "every", low=1, example=10)
         check_bool(layers, _CALL, "layers")
+        check_bool(scale_to_grad, _CALL, "scale_to_grad")
+        if scale_to_grad and loss_reduction != "sum":
+            raise ValueError(
+                message(
+                    _CALL,
+                    "scale_to_grad",
+                    "False unless loss_reduction='sum' (the individual gradients are the "
+                    "shares of the summed loss, then scaled)",
+                    "True with loss_reduction=" + repr(loss_reduction),
+                    "pass loss_reduction='sum' with scale_to_grad=True",
+                )
+            )
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 message(
@@ -159,6 +177,7 @@ class GradientMonitor:
         self.optimizer = optimizer
         self.lr = lr
         self.layers = layers
+        self.scale_to_grad = scale_to_grad
         self.group = group
         self._track = {"loss_reduction": loss_reduction, **track_options}
         self._writers = make_writers(writer, _CALL)
@@ -253,6 +272,7 @@ class GradientMonitor:
             lr=self._learning_rate(),
             loss=None if loss is None else float(loss),
             layers=self.layers,
+            scale=float(stats.num_examples) if self.scale_to_grad else 1.0,
         )
         self.records.append(record)
         if _rank() == 0:

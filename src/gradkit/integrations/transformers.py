@@ -1,0 +1,163 @@
+"""gradkit in the Hugging Face ``Trainer``: a :class:`GradientMonitor` inside the Trainer's own
+gradient accumulation, logged through the Trainer's loggers.
+
+Use it as::
+
+    from gradkit.integrations.transformers import monitor_trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    callback = monitor_trainer(trainer, every=50, writer="runs/grads.jsonl")
+    trainer.train()
+
+Every ``every``-th optimizer step, the statistics of the individual gradients of the whole
+accumulated batch (all its micro-batches, and all ranks) are summarized, as
+:class:`~gradkit.monitor.GradientMonitor` does, and logged with the step's other metrics under
+``gradkit/...`` keys (TensorBoard, W&B, MLflow, the console: whatever ``report_to`` names), and
+to ``writer`` when given. Other steps run without any hook.
+
+The Trainer normalizes the loss itself (by the window's token count when the model takes
+``num_items_in_batch``, else by the number of micro-batches), so the monitor takes each
+example's share of the backpropagated loss (``loss_reduction="sum"``) scaled by the number of
+examples (``scale_to_grad=True``): the individual gradients' mean is then the gradient in
+``.grad`` before clipping, and the noise scale and SNR are those of the examples' own losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from gradkit.monitor import GradientMonitor, MonitorStep
+
+__all__ = ["GradientMonitorCallback", "monitor_trainer"]
+
+_PREFIX = "gradkit/"
+
+
+def _flat(record: dict[str, Any], layers: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if key == "layers":
+            if not layers:
+                continue
+            for layer, values in value.items():
+                for k, v in values.items():
+                    if isinstance(v, (int, float)):
+                        out[f"{_PREFIX}layers/{layer}/{k}"] = float(v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[_PREFIX + key] = float(value)
+    return out
+
+
+class GradientMonitorCallback(TrainerCallback):
+    """A ``TrainerCallback`` running a :class:`~gradkit.monitor.GradientMonitor` on the
+    Trainer's model: tracking starts at ``on_step_begin`` (before the window's first
+    micro-batch) of every ``every``-th optimizer step and ends at ``on_pre_optimizer_step``
+    (after its last backward). Prefer :func:`monitor_trainer`, which also puts the callback
+    first so that the Trainer's loggers receive its metrics.
+
+    Args:
+        every: track optimizer steps ``0, every, 2 every, ...``.
+        writer, quantities, layers, **options: as :class:`~gradkit.monitor.GradientMonitor`
+            (``loss_reduction`` and ``scale_to_grad`` are set for the Trainer's loss).
+        log_layers: also put the per-layer numbers in the Trainer's logs (they always reach
+            ``writer``); off by default: three numbers per layer crowd the console.
+        model: the model to watch (default: the Trainer's, at ``on_train_begin``).
+
+    Attributes:
+        monitor: the :class:`~gradkit.monitor.GradientMonitor` (after training starts).
+    """
+
+    def __init__(
+        self,
+        every: int = 50,
+        *,
+        writer: Any = None,
+        quantities: tuple[str, ...] = ("variance", "batch_l2"),
+        layers: bool = True,
+        log_layers: bool = False,
+        model: torch.nn.Module | None = None,
+        **options: Any,
+    ) -> None:
+        self.every = every
+        self.log_layers = log_layers
+        self._options = {
+            "writer": writer,
+            "quantities": quantities,
+            "layers": layers,
+            "loss_reduction": "sum",
+            "scale_to_grad": True,
+            **options,
+        }
+        self.monitor: GradientMonitor | None = None
+        self._pending: dict[str, float] | None = None
+        self._open: MonitorStep | None = None
+        if model is not None:
+            self._build(model, None)
+
+    def _build(self, model: torch.nn.Module, optimizer: Any) -> GradientMonitor:
+        if self.monitor is None or self.monitor.model is not model:
+            lr_source = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+            self.monitor = GradientMonitor(
+                model, every=self.every, optimizer=lr_source, **self._options
+            )
+        return self.monitor
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if model is not None:
+            self._build(model, kwargs.get("optimizer"))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        monitor = self.monitor
+        if monitor is None and kwargs.get("model") is not None:
+            monitor = self._build(kwargs["model"], kwargs.get("optimizer"))
+        if monitor is None or self._open is not None:
+            return
+        if monitor.tracks(state.global_step):
+            self._open = monitor.begin(state.global_step)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._open is None or self.monitor is None:
+            return
+        self._open = None
+        record = self.monitor.end()
+        if record is not None:
+            self._pending = _flat(record, self.log_layers)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._pending is not None:
+            control.should_log = True  # log this step, with the metrics
+        return control
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        if self._pending is None or logs is None:
+            return
+        logs.update(self._pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._pending)
+        self._pending = None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._open is not None and self.monitor is not None:
+            self._open = None
+            self.monitor.end(failed=True)
+
+
+def monitor_trainer(trainer: Any, every: int = 50, **options: Any) -> GradientMonitorCallback:
+    """Add a :class:`GradientMonitorCallback` to ``trainer``, first among its callbacks (so
+    that the loggers ``report_to`` names receive its metrics), and return it.
+
+    Args:
+        trainer: a ``transformers.Trainer``.
+        every, **options: as :class:`GradientMonitorCallback`.
+    """
+    callback = GradientMonitorCallback(every, model=trainer.model, **options)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
