@@ -232,3 +232,16 @@ def test_scale_to_grad_needs_a_summed_loss():
     model, _, _ = problem()
     with pytest.raises(ValueError, match=r"scale_to_grad: expected False unless loss_reduction"):
         GradientMonitor(model, scale_to_grad=True)
+
+
+def test_scale_to_grad_reads_a_mean_loss_as_shares():
+    """With scale_to_grad the loss may be a plain mean (Lightning with no accumulation): each
+    example's share l_i / n, times n, is its own gradient."""
+    model, x, y = problem()
+    g = per_example(model, x, y)
+    monitor = GradientMonitor(model, loss_reduction="sum", scale_to_grad=True)
+    with monitor.step():
+        nn.functional.cross_entropy(model(x), y).backward()
+    (record,) = monitor.records
+    for key, value in reduced(g).items():
+        assert record[key] == pytest.approx(value, rel=1e-10), key

@@ -2,7 +2,10 @@
 here is imported by ``import gradkit``):
 
 * :mod:`gradkit.integrations.transformers`: a :class:`~gradkit.monitor.GradientMonitor` in the
-  Hugging Face ``Trainer`` (``monitor_trainer(trainer, every=...)``); needs ``transformers``.
+  Hugging Face ``Trainer`` (``monitor_trainer(trainer, every=...)``); needs ``transformers``
+  and ``accelerate``.
+* :mod:`gradkit.integrations.lightning`: the same as a Lightning ``Callback``
+  (``GradientMonitorCallback(every=...)``); needs ``lightning``.
 """
 
 __all__: list[str] = []

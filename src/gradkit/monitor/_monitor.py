@@ -73,11 +73,12 @@ class GradientMonitor:
         lr: the learning rate, when there is no ``optimizer``.
         layers: also summarize each layer (parameters grouped by module).
         loss_reduction: as for ``track``: ``"mean"`` or ``"sum"``.
-        scale_to_grad: with ``loss_reduction="sum"``, take the individual gradients times
-            the step's number of examples, so that their mean is the gradient the step's
-            backward passes summed into ``.grad``, whatever the loss was divided by by hand
-            (a token count, the number of micro-batches): what trainers that normalize the
-            loss themselves need. The noise scale and the SNR do not depend on it.
+        scale_to_grad: with ``loss_reduction="sum"``, take each example's share of the
+            backpropagated loss (whatever the loss was divided by: its own mean, a token count,
+            the number of micro-batches) and its gradient times the step's number of examples,
+            so that the individual gradients' mean is the gradient the step's backward passes
+            summed into ``.grad``: what trainers that normalize the loss themselves need. The
+            noise scale and the SNR do not depend on the scale.
         group: the process group for merging ranks (default: the world).
         **track_options: further keyword arguments of :func:`gradkit.per_example.track`
             (``batch_dim``, ``fallback``, ``max_memory``, ...).
@@ -214,7 +215,10 @@ class GradientMonitor:
         current = MonitorStep(index, self.tracks(index))
         scope = contextlib.ExitStack()
         if current.tracked:
-            current.stats = scope.enter_context(track(self.model, *self.quantities, **self._track))
+            tracker = track(self.model, *self.quantities, **self._track)
+            # the shares of any loss, mean or divided by hand, are rescaled in the summary
+            tracker.verify_reduction = not self.scale_to_grad
+            current.stats = scope.enter_context(tracker)
         self._open = (current, scope)
         return current
 

@@ -89,10 +89,11 @@ class ModuleState:
         return f"{self.name or 'model'} ({type(self.module).__name__})"
 
 
-def check_pass(records: Sequence[UseRecord], loss_reduction: str) -> None:
+def check_pass(records: Sequence[UseRecord], loss_reduction: str | None) -> None:
     """Refuse a backward pass that would give wrong statistics: one that differentiates a
     layer split into another number of examples, or layers that disagree on ``N``, or a loss
-    that certainly contradicts ``loss_reduction``. Called at the pass's first tracked output,
+    that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum of per-example
+    shares). Called at the pass's first tracked output,
     before the gradient reaches any tracked parameter (a refused pass leaves ``p.grad`` as it
     was)."""
     live: list[UseRecord] = []
@@ -109,7 +110,8 @@ def check_pass(records: Sequence[UseRecord], loss_reduction: str) -> None:
     if len({k for _, k in sizes}) > 1:
         raise disagree_error(sizes)
     n = sizes[0][1] if sizes else None
-    check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes})
+    if loss_reduction is not None:
+        check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes})
 
 
 def check_still_trainable(st: ModuleState) -> None:

@@ -151,6 +151,9 @@ class Tracker(TrackerResults):
         refuse_fsdp1(model, call)
         self._want = parse_want(quantities, moments, call)
         self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
+        # False: any loss is read as a sum of per-example shares (a caller that rescales the
+        # statistics itself, as GradientMonitor(scale_to_grad=True) does)
+        self.verify_reduction = True
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
         self._modules = modules = dict(model.named_modules())
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
@@ -470,7 +473,7 @@ class Tracker(TrackerResults):
                     "start a new track block for the next step",
                 )
             )
-        check_pass(self._records, self._loss_reduction)
+        check_pass(self._records, self._loss_reduction if self.verify_reduction else None)
 
     # -- processing ----------------------------------------------------------------------------
 

@@ -1,0 +1,111 @@
+"""gradkit in Lightning: a :class:`~gradkit.monitor.GradientMonitor` inside Lightning's own
+gradient accumulation, logged through the trainer's loggers.
+
+Use it as::
+
+    from gradkit.integrations.lightning import GradientMonitorCallback
+
+    trainer = lightning.Trainer(callbacks=[GradientMonitorCallback(every=50)], ...)
+
+Every ``every``-th optimizer step, tracking starts at the window's first micro-batch
+(``on_train_batch_start``) and ends after its last backward (``on_before_optimizer_step``,
+before Lightning clips); the summary goes to the trainer's loggers under ``gradkit/...`` keys,
+at the step it describes, and to ``writer`` when given. Other steps run without any hook.
+
+Lightning divides the loss by ``accumulate_grad_batches`` and the loss is usually a mean over
+the micro-batch, so the monitor takes each example's share of the backpropagated loss
+(``loss_reduction="sum"``) scaled by the number of examples (``scale_to_grad=True``): the
+individual gradients' mean is the gradient in ``.grad`` before clipping, and the noise scale
+and SNR are those of the examples' own losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from gradkit.monitor import GradientMonitor, MonitorStep
+from gradkit.monitor._writers import flat_scalars
+
+__all__ = ["GradientMonitorCallback"]
+
+
+class GradientMonitorCallback(Callback):
+    """A Lightning ``Callback`` running a :class:`~gradkit.monitor.GradientMonitor` on the
+    LightningModule.
+
+    Args:
+        every: track optimizer steps ``0, every, 2 every, ...`` (``trainer.global_step``).
+        writer, quantities, layers, **options: as :class:`~gradkit.monitor.GradientMonitor`
+            (``loss_reduction`` and ``scale_to_grad`` are set for Lightning's loss).
+        log_layers: also send the per-layer numbers to the trainer's loggers (they always
+            reach ``writer``).
+
+    Attributes:
+        monitor: the :class:`~gradkit.monitor.GradientMonitor` (after ``setup``).
+    """
+
+    def __init__(
+        self,
+        every: int = 50,
+        *,
+        writer: Any = None,
+        quantities: tuple[str, ...] = ("variance", "batch_l2"),
+        layers: bool = True,
+        log_layers: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.every = every
+        self.log_layers = log_layers
+        self._options = {
+            "writer": writer,
+            "quantities": quantities,
+            "layers": layers,
+            "loss_reduction": "sum",
+            "scale_to_grad": True,
+            **options,
+        }
+        self.monitor: GradientMonitor | None = None
+        self._open: MonitorStep | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.monitor is None or self.monitor.model is not pl_module:
+            self.monitor = GradientMonitor(pl_module, every=self.every, **self._options)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        monitor = self.monitor
+        if monitor is None or self._open is not None:
+            return
+        if batch_idx % max(1, trainer.accumulate_grad_batches) != 0:
+            return  # not the first micro-batch of an optimizer step
+        if monitor.tracks(trainer.global_step):
+            self._open = monitor.begin(trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._open is None or self.monitor is None:
+            return
+        self._open = None
+        record = self.monitor.end()
+        if record is None:
+            return
+        metrics = {
+            f"gradkit/{tag}": value
+            for tag, value in flat_scalars(record)
+            if self.log_layers or not tag.startswith("layers/")
+        }
+        # straight to the loggers: log_dict would store float32 copies and emit them again at
+        # later steps that logged nothing
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._open is not None and self.monitor is not None:
+            self._open = None
+            self.monitor.end(failed=True)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)

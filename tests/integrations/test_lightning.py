@@ -1,0 +1,119 @@
+"""The gradient monitor inside Lightning: an MLP (float64) trained by ``Trainer(max_steps=3)``
+on CPU with gradient accumulation. The logged noise scale and SNR of a tracked step equal the
+per-example oracle over that step's accumulated batch; the metrics reach the logger; the
+untracked steps run without any hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+lightning = pytest.importorskip("lightning")
+
+from gradkit.integrations.lightning import GradientMonitorCallback  # noqa: E402
+
+# Lightning's own use of torch internals that torch 2.13 deprecates
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
+    "ignore:.*does not have many workers:UserWarning",
+)
+
+D = torch.float64
+N, B = 48, 4
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(D)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 5, generator=g, dtype=D), torch.randint(0, 3, (N,), generator=g)
+
+
+class Module(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Captured(lightning.pytorch.loggers.Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    @property
+    def name(self):
+        return "captured"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
+def oracle(model, x, y):
+    params = list(model.parameters())
+    rows = []
+    for i in range(len(x)):
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    g = torch.stack(rows)
+    mean, var = g.mean(0), g.var(0, unbiased=True)
+    return float(var.sum() / mean.square().sum())
+
+
+def _hooks(module):
+    return sum(len(m._forward_hooks) for m in module.modules())
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_lightning_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path, accumulation):
+    x, y = data()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=B, shuffle=False
+    )
+    module = Module()
+    start = mlp()
+    hooks = []
+
+    class Probe(lightning.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            hooks.append((trainer.global_step, batch_idx, _hooks(pl_module)))
+
+    logger = Captured()
+    monitor = GradientMonitorCallback(every=2, writer=str(tmp_path / "g.jsonl"))
+    trainer = lightning.Trainer(
+        max_steps=3, accumulate_grad_batches=accumulation, logger=logger, log_every_n_steps=1,
+        callbacks=[monitor, Probe()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    records = monitor.monitor.records
+    assert [r["step"] for r in records] == [0, 2]
+    assert records[0]["examples"] == B * accumulation
+    window = slice(0, B * accumulation)
+    assert records[0]["noise_scale"] == pytest.approx(oracle(start, x[window], y[window]), rel=1e-9)
+    logged = [(step, m) for step, m in logger.rows if "gradkit/noise_scale" in m]
+    assert [step for step, _ in logged] == [0, 2]  # at the steps they describe, once
+    assert [m["gradkit/noise_scale"] for _, m in logged] == [r["noise_scale"] for r in records]
+    # the hooks are there while the tracked windows' micro-batches run, and only then
+    for step, batch_idx, count in hooks:
+        # the window's last micro-batch ends after the optimizer step: tracking has ended
+        tracked_window = step in (0, 2) and batch_idx % accumulation != accumulation - 1
+        assert (count > 0) == tracked_window, (step, batch_idx, count)
+    assert _hooks(module) == 0
