@@ -9,7 +9,8 @@ PIP := $(PY) -m pip
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup setup-dev setup-bench torch demo test test-gpu lint format bench bench-gpu clean
+.PHONY: help setup setup-dev setup-bench setup-docs torch demo test test-gpu lint format bench bench-gpu \
+	docs dist clean
 
 help:
 	@echo "make demo   set up .venv and run 'gradkit demo' (report under runs/)"
@@ -17,6 +18,8 @@ help:
 	@echo "make lint   ruff + mypy on src/"
 	@echo "make bench  gradkit against its peers, side by side (benchmarks/results/)"
 	@echo "make test-gpu / make bench-gpu  the same on CUDA (needs a CUDA torch in .venv)"
+	@echo "make docs   the documentation site with the API reference, into site/ (mkdocs --strict)"
+	@echo "make dist   the sdist and wheel into dist/ (python -m build), version checked"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +31,10 @@ setup: torch
 	$(PIP) install -e ".[demo]"
 
 setup-dev: torch
-	$(PIP) install -e ".[dev,demo,hf]"
+	$(PIP) install -e ".[dev,demo,hf,lightning,monitor]"
+
+setup-docs: torch
+	$(PIP) install -e ".[docs]"
 
 setup-bench: setup-dev
 	$(PIP) install -e ".[bench]"
@@ -46,13 +52,13 @@ test-gpu: setup-dev
 	GRADKIT_TEST_DEVICE=cuda $(PY) -m pytest tests
 
 lint: setup-dev
-	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples tools
+	$(PY) -m ruff format --check src tests benchmarks examples tools
 	$(PY) -m mypy
 
 format: setup-dev
-	$(PY) -m ruff format src tests benchmarks examples
-	$(PY) -m ruff check --fix src tests benchmarks examples
+	$(PY) -m ruff format src tests benchmarks examples tools
+	$(PY) -m ruff check --fix src tests benchmarks examples tools
 
 bench: setup-bench
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
@@ -60,5 +66,19 @@ bench: setup-bench
 bench-gpu: setup-bench
 	$(PY) benchmarks/run.py --device cuda --out benchmarks/results/cuda $(BENCH_ARGS)
 
+# The site's pages are docs/*.md (doctested by make test) and one API page per public package,
+# generated from the docstrings (tools/check_api_pages.py: none missing); --strict turns every
+# warning (a broken link, a docstring mkdocstrings cannot parse) into an error.
+docs: setup-docs
+	$(PY) tools/check_api_pages.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
+# The wheel and sdist as published; the version is gradkit/_version.py's, checked in both.
+dist: $(PY)
+	$(PIP) install -q build
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) tools/check_dist.py dist
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

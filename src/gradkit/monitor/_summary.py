@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,32 +45,43 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _trace(params: Sequence[ParamStats], scale: float) -> float:
-    return sum(float(s.var(unbiased=True).double().sum()) for s in params) * scale**2
+@dataclass
+class _Parts:
+    """One parameter's share of the sums: ``tr(Sigma)``, ``|G|^2`` (of the unscaled individual
+    gradients) and the SNR ratios of its entries that are not rounding noise."""
+
+    trace: float
+    norm2: float
+    ratios: torch.Tensor
 
 
-def _reduce(params: Sequence[ParamStats], scale: float) -> dict[str, float | None]:
-    """``grad_norm``, ``noise_scale`` and ``snr_median`` over ``params`` (the individual
-    gradients multiplied by ``scale``)."""
-    trace = norm2 = 0.0
-    ratios = []
-    for s in params:
-        var = s.var(unbiased=True).double() * scale**2
-        mean = s.mean.double() * scale
-        trace += float(var.sum())
-        norm2 += float(mean.square().sum())
-        # entries whose ratio would be rounding noise over rounding noise (off by orders of
-        # magnitude between two exact computations): a variance within the rounding of
-        # E[g^2] - E[g]^2, or gradients at the rounding level of the parameter's largest
-        eps = _ROUNDING * torch.finfo(s.mean.dtype).eps
-        second = s.second_moment.double()
-        ok = (var > eps * second * scale**2) & (second > eps**2 * second.max())
-        ratios.append((mean[ok].square() / var[ok]).reshape(-1))
-    joined = torch.cat(ratios) if ratios else torch.zeros(0)
+def _parts(s: ParamStats) -> _Parts:
+    var = s.var(unbiased=True)
+    mean = s.mean
+    second = s.second_moment
+    # entries whose ratio would be rounding noise over rounding noise (off by orders of
+    # magnitude between two exact computations): a variance within the rounding of
+    # E[g^2] - E[g]^2, or gradients at the rounding level of the parameter's largest
+    c = _ROUNDING * torch.finfo(mean.dtype).eps
+    ok = (var > c * second) & (second > c * c * second.max())
+    return _Parts(
+        float(var.sum(dtype=torch.float64)),
+        float(mean.square().sum(dtype=torch.float64)),
+        (mean[ok].square() / var[ok]).reshape(-1),
+    )
+
+
+def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
+    """``grad_norm``, ``noise_scale`` and ``snr_median`` over the parameters of ``parts``, the
+    individual gradients multiplied by ``scale`` (the ratios do not depend on it)."""
+    trace = sum(p.trace for p in parts) * scale**2
+    norm2 = sum(p.norm2 for p in parts) * scale**2
+    ratios = [p.ratios for p in parts if p.ratios.numel()]
+    joined = torch.cat(ratios) if len(ratios) > 1 else (ratios[0] if ratios else None)
     return {
         "grad_norm": math.sqrt(norm2),
         "noise_scale": _finite(ratio(trace, norm2)),
-        "snr_median": _finite(float(joined.median())) if joined.numel() else None,
+        "snr_median": None if joined is None else _finite(float(joined.median())),
     }
 
 
@@ -87,8 +99,9 @@ def summarize(
     individual gradients taken times ``scale``."""
     params = list(stats.values())
     n = params[0].num_examples if params else 0
+    parts = {name: _parts(s) for name, s in stats.items()}
     record: dict[str, Any] = {"step": step, "examples": n}
-    record.update(_reduce(params, scale))
+    record.update(_reduce(list(parts.values()), scale))
     if norms is not None and norms.numel():
         levels = torch.tensor(QUANTILES, dtype=torch.float64, device=norms.device)
         q = torch.quantile(norms.double().clamp_min(0).sqrt() * scale, levels)
@@ -96,12 +109,13 @@ def summarize(
             record[f"example_norm_q{round(level * 100)}"] = value
     if lr is not None and loss is not None and math.isfinite(loss) and loss > 0:
         # cabs_batch_size's rule (Balles et al.): lr tr(Sigma) / loss, rounded, at least 1
-        record["cabs_batch_size"] = max(1, round(lr * _trace(params, scale) / loss))
+        trace = sum(p.trace for p in parts.values()) * scale**2
+        record["cabs_batch_size"] = max(1, round(lr * trace / loss))
     if loss is not None:
         record["loss"] = loss
     if layers:
-        groups: dict[str, list[ParamStats]] = {}
-        for name, s in stats.items():
-            groups.setdefault(_layer(name), []).append(s)
+        groups: dict[str, list[_Parts]] = {}
+        for name, part in parts.items():
+            groups.setdefault(_layer(name), []).append(part)
         record["layers"] = {layer: _reduce(ps, scale) for layer, ps in groups.items()}
     return record
