@@ -75,7 +75,8 @@ def oracle(model, ids):
     c, second = 256 * torch.finfo(D).eps, g.square().mean(0)
     top = torch.cat([s.max().expand(s.numel()) for s in second.split([p.numel() for p in params])])
     ok = (var > c * second) & (second > c**2 * top)  # the monitor's rounding floors
-    return float(var.sum() / mean.square().sum()), float((mean[ok].square() / var[ok]).median())
+    snr = float((mean[ok].square() / var[ok]).median())
+    return float(var.sum() / mean.square().sum()), snr, float(var.sum()), float(mean.norm())
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -113,9 +114,13 @@ def test_trainer_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path, a
     reference = gpt2()
     reference.load_state_dict(start)
     ids = torch.cat([b["input_ids"] for b in recorder.batches[:accumulation]])
-    scale, snr = oracle(reference, ids)
+    scale, snr, variance, norm = oracle(reference, ids)
     assert first["noise_scale"] == pytest.approx(scale, rel=1e-8)
     assert first["snr_median"] == pytest.approx(snr, rel=1e-6)  # a median of ratios
+    # the individual gradients are the examples' own ones scaled so that their mean is the
+    # gradient the Trainer applied (its own divisor of the summed token losses)
+    c = first["grad_norm"] / norm
+    assert first["grad_variance"] == pytest.approx(c**2 * variance, rel=1e-8)
     # the Trainer's own log: its pre-clipping gradient norm, and the monitor's metrics
     logged = [h for h in trainer.state.log_history if "gradkit/noise_scale" in h]
     assert [h["step"] for h in logged] == [1, 3]

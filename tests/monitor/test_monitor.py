@@ -45,6 +45,7 @@ def reduced(g: dict[str, torch.Tensor]) -> dict[str, float]:
     ok = (var > c * second) & (second > c**2 * top)
     return {
         "grad_norm": float(mean.norm()),
+        "grad_variance": float(var.sum()),
         "noise_scale": float(var.sum() / mean.square().sum()),
         "snr_median": float((mean[ok].square() / var[ok]).median()),
     }
@@ -221,6 +222,7 @@ def test_scale_to_grad_makes_the_mean_the_accumulated_gradient():
     want = reduced(g)
     for key in ("noise_scale", "snr_median"):
         assert record[key] == pytest.approx(want[key], rel=1e-10), key
+    assert record["grad_variance"] == pytest.approx((12 / 7.3) ** 2 * want["grad_variance"])
     norms = torch.stack(
         [torch.cat([v[i].reshape(-1) for v in g.values()]).norm() for i in range(12)]
     )
@@ -243,5 +245,5 @@ def test_scale_to_grad_reads_a_mean_loss_as_shares():
     with monitor.step():
         nn.functional.cross_entropy(model(x), y).backward()
     (record,) = monitor.records
-    for key, value in reduced(g).items():
+    for key, value in reduced(g).items():  # the variance too: the shares times N are the g_i
         assert record[key] == pytest.approx(value, rel=1e-10), key

@@ -109,6 +109,7 @@ def _table(records: list[dict[str, Any]]) -> str:
     for key in (
         "examples",
         "grad_norm",
+        "grad_variance",
         "noise_scale",
         "snr_median",
         "example_norm_q50",

@@ -5,6 +5,7 @@ Definitions (``g_i`` the gradient of example ``i``, ``G`` their mean, ``Sigma`` 
 covariance, over the ``N`` examples of the step, all ranks merged):
 
 * ``grad_norm``: ``|G|``;
+* ``grad_variance``: ``tr(Sigma)``, the summed variance of the individual gradients;
 * ``noise_scale``: ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018);
 * ``snr_median``: the median over the parameters' entries of ``G_j^2 / Sigma_jj``, leaving
   out the entries whose ratio would be rounding noise: a variance below ``c E[g_j^2]`` (within
@@ -14,8 +15,8 @@ covariance, over the ``N`` examples of the step, all ranks merged):
 * ``cabs_batch_size``: ``lr tr(Sigma) / loss`` (Balles et al. 2017), when the learning rate
   and the step's loss are known.
 
-Per layer (parameters grouped by their module's name): ``grad_norm``, ``noise_scale`` and
-``snr_median`` over that layer's parameters.
+Per layer (parameters grouped by their module's name): ``grad_norm``, ``grad_variance``,
+``noise_scale`` and ``snr_median`` over that layer's parameters.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
     joined = torch.cat(ratios) if len(ratios) > 1 else (ratios[0] if ratios else None)
     return {
         "grad_norm": math.sqrt(norm2),
+        "grad_variance": trace,
         "noise_scale": _finite(ratio(trace, norm2)),
         "snr_median": None if joined is None else _finite(float(joined.median())),
     }
