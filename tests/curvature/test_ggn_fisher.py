@@ -199,7 +199,8 @@ class _Wrapped(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("act", [nn.Tanh, nn.ReLU, nn.GELU])
+# Tanh, Sigmoid, ReLU and LeakyReLU take closed-form slopes in the sweep, GELU autograd's
+@pytest.mark.parametrize("act", [nn.Tanh, nn.ReLU, nn.GELU, nn.Sigmoid, lambda: nn.LeakyReLU(0.2)])
 @pytest.mark.parametrize("name", ["ce", "mse", "sine", "fisher_mc", "fisher_empirical"])
 def test_the_mlp_sweep_equals_per_example_gradients_and_the_dense_diagonal(name, act):
     torch.manual_seed(1)

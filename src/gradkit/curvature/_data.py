@@ -27,7 +27,14 @@ from gradkit._params import LossFn
 from gradkit._params import select_params as choose
 from gradkit._validate import check_choice
 
-__all__ = ["Data", "LossFn", "check_generator", "find_error_nodes", "select_params"]
+__all__ = [
+    "Data",
+    "LossFn",
+    "check_generator",
+    "find_error_nodes",
+    "forward_graph",
+    "select_params",
+]
 
 Batch = tuple[Any, torch.Tensor]
 T = TypeVar("T")
@@ -135,6 +142,20 @@ def _walk(roots: Iterable[Any]) -> Iterator[Any]:
         seen.add(node)
         yield node
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+
+def forward_graph(out: torch.Tensor) -> tuple[set[int], bool]:
+    """The ids of the leaf tensors ``out``'s graph reaches (its parameters) and whether it holds
+    a custom ``autograd.Function`` node: one walk of the forward graph."""
+    custom = torch.autograd.function.BackwardCFunction
+    reached: set[int] = set()
+    has_custom = False
+    for node in _walk([out.grad_fn]):
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        has_custom = has_custom or isinstance(node, custom)
+    return reached, has_custom
 
 
 def find_error_nodes(forward: torch.Tensor, grads: Iterable[torch.Tensor | None]) -> list[str]:

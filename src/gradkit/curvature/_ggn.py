@@ -24,7 +24,7 @@ import torch
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import is_batching_error
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
-from gradkit.curvature._data import Data, find_error_nodes
+from gradkit.curvature._data import Data, find_error_nodes, forward_graph
 from gradkit.curvature._diag import factor_diagonal
 
 __all__ = ["GGN", "JPoint", "LossHessian", "loss_hessian_blocks", "output_factors"]
@@ -48,25 +48,45 @@ class JPoint:
                 )
             )
         self.out = out
-        self.u = torch.zeros_like(out, requires_grad=True)
-        if out.requires_grad:
-            self.g: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
-                out, layout.params, self.u, create_graph=True, allow_unused=True
-            )
-        else:
-            self.g = (None,) * len(layout.params)
-        self.unused = [i for i, g in enumerate(self.g) if g is None]
-        self.errors = find_error_nodes(out, self.g)
-        self._live = [i for i, g in enumerate(self.g) if g is not None and g.requires_grad]
+        self._layout_params = layout.params
+        self._g: tuple[torch.Tensor | None, ...] | None = None
+        self._live: list[int] = []
+        if not out.requires_grad:
+            self._g = (None,) * len(layout.params)
+            self.unused = list(range(len(layout.params)))
+            self.errors: list[str] = []
+            return
+        # which parameters the output reaches, from the forward graph; the J^T u graph that
+        # jvp needs is built at the first jvp (a diagonal or a vjp never needs it), except
+        # where a custom autograd.Function may have left nodes that drop a second backward:
+        # those are found in that graph, now
+        reached, custom = forward_graph(out)
+        self.unused = [i for i, p in enumerate(layout.params) if id(p) not in reached]
+        self.errors = []
+        if custom:
+            self.errors = find_error_nodes(out, self.g)
+
+    @property
+    def g(self) -> tuple[torch.Tensor | None, ...]:
+        """``J^T u`` per parameter, with its graph (``u`` a dummy output gradient)."""
+        if self._g is None:
+            self.u = torch.zeros_like(self.out, requires_grad=True)
+            with torch.enable_grad():
+                self._g = torch.autograd.grad(
+                    self.out, self._layout_params, self.u, create_graph=True, allow_unused=True
+                )
+            self._live = [i for i, g in enumerate(self._g) if g is not None and g.requires_grad]
+        return self._g
 
     def jvp(self, v: torch.Tensor, batched: bool = False) -> torch.Tensor:
         """``J v``: ``[P] -> out.shape`` (``[k, P] -> [k, *out.shape]`` when batched)."""
         lead = (v.shape[0],) if batched else ()
+        gs = self.g
         if not self._live:
             return self.out.new_zeros((*lead, *self.out.shape))
         parts = self._layout.split(v, batched)
         (res,) = torch.autograd.grad(
-            [g for g in self.g if g is not None and g.requires_grad],
+            [g for g in gs if g is not None and g.requires_grad],
             [self.u],
             [parts[i] for i in self._live],
             retain_graph=True,
@@ -96,27 +116,48 @@ class JPoint:
         return lay.cat(parts, batched)
 
 
+_FEW = 4
+"""Up to this many vectors, products with the loss Hessian are taken one by one."""
+
+
 class LossHessian:
     """``H_out``, the Hessian of the loss w.r.t. the (detached) model output, applied by double
-    backward; ``r`` is the loss gradient w.r.t. the output."""
+    backward; ``r`` is the loss gradient w.r.t. the output (with its graph, built at first
+    use: the loss itself is evaluated, and checked, at once)."""
 
     def __init__(self, data: Data, out: torch.Tensor, targets: torch.Tensor) -> None:
         self.od = out.detach().requires_grad_(True)
-        loss = data.loss(self.od, targets)
-        (r,) = torch.autograd.grad(loss, self.od, create_graph=True, allow_unused=True)
-        self.r = torch.zeros_like(self.od) if r is None else r
+        with torch.enable_grad():
+            self._loss: torch.Tensor | None = data.loss(self.od, targets)
+        self._r: torch.Tensor | None = None
+
+    @property
+    def r(self) -> torch.Tensor:
+        if self._r is None:
+            assert self._loss is not None
+            with torch.enable_grad():
+                (r,) = torch.autograd.grad(
+                    self._loss, self.od, create_graph=True, allow_unused=True
+                )
+            self._r = torch.zeros_like(self.od) if r is None else r
+            self._loss = None
+        return self._r
 
     def apply(self, U: torch.Tensor, batched: bool = False) -> torch.Tensor:
-        if not self.r.requires_grad:  # a loss linear in the output
+        r = self.r
+        if not r.requires_grad:  # a loss linear in the output
             return torch.zeros_like(U)
         (res,) = torch.autograd.grad(
-            self.r, self.od, U, retain_graph=True, allow_unused=True, is_grads_batched=batched
+            r, self.od, U, retain_graph=True, allow_unused=True, is_grads_batched=batched
         )
         return torch.zeros_like(U) if res is None else res
 
     def apply_each(self, U: torch.Tensor) -> torch.Tensor:
-        """Products with every ``U[k]``: one batched backward, or one per vector where the loss
-        has an operation without a batching rule."""
+        """Products with every ``U[k]``: one batched backward (one per vector for a few
+        vectors, where vmap's setup costs more than the products, or where the loss has an
+        operation without a batching rule)."""
+        if U.shape[0] <= _FEW:
+            return torch.stack([self.apply(u) for u in U])
         try:
             return self.apply(U, batched=True)
         except RuntimeError as err:

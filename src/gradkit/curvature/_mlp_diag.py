@@ -125,14 +125,23 @@ def mlp_hessian_diagonal(
     return torch.cat(out).to(layout.params[0].dtype)
 
 
-def _slope(layer: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """``sigma'(z)`` of an elementwise activation module, by autograd on the module itself."""
+def _slope(layer: nn.Module, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``sigma'(z)`` of an elementwise activation module (``out = sigma(z)``): in closed form
+    for Tanh, Sigmoid, ReLU and LeakyReLU, else by autograd on the module itself."""
+    if type(layer) is nn.Tanh:
+        return 1 - out.square()
+    if type(layer) is nn.Sigmoid:
+        return out * (1 - out)
+    if type(layer) is nn.ReLU:
+        return (z > 0).to(z.dtype)
+    if type(layer) is nn.LeakyReLU:
+        return torch.where(z > 0, torch.ones_like(z), torch.full_like(z, layer.negative_slope))
     z = z.detach().requires_grad_(True)
     with torch.enable_grad():
-        out = layer(z)
-        if not out.requires_grad:  # constant in z (e.g. a step function)
+        y = layer(z)
+        if not y.requires_grad:  # constant in z (e.g. a step function)
             return torch.zeros_like(z)
-        (d1,) = torch.autograd.grad(out.sum(), z)
+        (d1,) = torch.autograd.grad(y.sum(), z)
     return d1
 
 
@@ -153,9 +162,11 @@ def _forward(layers: list[nn.Module], inputs: Any, slopes: bool) -> Any:
                 continue
             if isinstance(layer, nn.Linear):
                 saved.append((layer, h, None))
-            else:
-                saved.append((layer, h, _slope(layer, h) if slopes else _derivatives(layer, h)))
-            h = layer(h)
+                h = layer(h)
+                continue
+            out = layer(h)
+            saved.append((layer, h, _slope(layer, h, out) if slopes else _derivatives(layer, h)))
+            h = out
     return h, saved
 
 
