@@ -156,8 +156,9 @@ def estimator_case(p: Problem) -> Case:
         "MLPs; other models take P products with unit vectors); the GGN's by one sweep of the "
         "output factors (closed form for cross entropy) through the layers of a sequential MLP "
         "(other models: per-example gradients, one backward per factor). gradkit's GGN row "
-        "includes building the operator (about 2 gradients: its first product's graph), "
-        "BackPACK's one forward and backward with its extension."
+        "includes building the operator (one forward: the graphs of its products are built "
+        "at the first product, which a diagonal never takes), BackPACK's one forward and "
+        "backward with its extension."
     ]
     bp = load_backpack()
     if bp is None:
@@ -193,8 +194,21 @@ def estimator_case(p: Problem) -> Case:
         targets=[
             Target("trace, 100 products (Hutch++) / gradient", "hutchpp", ("grad",)),
             Target("top-3 eigenvalues / gradient", "eig", ("grad",)),
-            Target("exact GGN diagonal / gradient", "diag_ggn", ("grad",)),
+            Target("exact GGN diagonal / gradient", "diag_ggn", ("grad",), "<=", 8.0),
             Target("exact Hessian diagonal / gradient", "diag_h", ("grad",), "<=", 30.0),
+            *(
+                [
+                    Target(
+                        "exact GGN diagonal / BackPACK DiagGGNExact",
+                        "diag_ggn",
+                        ("bp_diag_ggn",),
+                        "<=",
+                        1.0,
+                    )
+                ]
+                if bp is not None
+                else []
+            ),
         ],
         notes=notes,
         repeats_scale=1 / 3,
