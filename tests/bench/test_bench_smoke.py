@@ -97,7 +97,7 @@ def test_cli_rejects_bad_threads(tmp_path):
     assert not (tmp_path / "func.json").exists()
 
 
-@pytest.mark.parametrize("suite", ["accumulate", "curvature", "hyper"])
+@pytest.mark.parametrize("suite", ["accumulate", "curvature", "hyper", "monitor"])
 def test_other_suites_smoke(tmp_path, capsys, suite):
     assert main(["--suite", suite, "--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / f"{suite}.json").read_text())

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gradkit._bench import accumulate, curvature, func, hyper, per_example
+from gradkit._bench import accumulate, curvature, func, hyper, monitor, per_example
 from gradkit._bench._case import Case, Settings, run_case
 from gradkit._bench._report import render_markdown, summary_rows, write_outputs
 from gradkit._bench._timing import machine_info
@@ -44,6 +44,7 @@ SUITES: dict[str, Callable[[], list[Case]]] = {
     "accumulate": accumulate.build_cases,
     "curvature": curvature.build_cases,
     "hyper": hyper.build_cases,
+    "monitor": monitor.build_cases,
 }
 # suites whose builder takes the mode (e.g. smaller batches in smoke runs)
 _BY_MODE: dict[str, Callable[[str], list[Case]]] = {

@@ -138,12 +138,15 @@ def saved_bytes() -> Iterator[dict[int, int]]:
     """Count the distinct storages autograd saves while the block builds a graph:
     ``{storage address: bytes}``."""
     found: dict[int, int] = {}
+    held: list[torch.Tensor] = []  # alive while counting: no address is reused for another
 
     def pack(x: torch.Tensor) -> torch.Tensor:
         with contextlib.suppress(RuntimeError, NotImplementedError):
             storage = x.untyped_storage()
             found[storage.data_ptr()] = storage.nbytes()
+            held.append(x)
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         yield found
+    held.clear()
