@@ -30,11 +30,11 @@ import torch
 
 from gradkit.per_example import ParamStats
 from gradkit.per_example._derived import _ratio as ratio
+from gradkit.per_example._derived import snr_ratios
 
 __all__ = ["QUANTILES", "summarize"]
 
 QUANTILES = (0.1, 0.5, 0.9)
-_ROUNDING = 256
 
 
 def _layer(name: str) -> str:
@@ -57,18 +57,10 @@ class _Parts:
 
 
 def _parts(s: ParamStats) -> _Parts:
-    var = s.var(unbiased=True)
-    mean = s.mean
-    second = s.second_moment
-    # entries whose ratio would be rounding noise over rounding noise (off by orders of
-    # magnitude between two exact computations): a variance within the rounding of
-    # E[g^2] - E[g]^2, or gradients at the rounding level of the parameter's largest
-    c = _ROUNDING * torch.finfo(mean.dtype).eps
-    ok = (var > c * second) & (second > c * c * second.max())
     return _Parts(
-        float(var.sum(dtype=torch.float64)),
-        float(mean.square().sum(dtype=torch.float64)),
-        (mean[ok].square() / var[ok]).reshape(-1),
+        float(s.var(unbiased=True).sum(dtype=torch.float64)),
+        float(s.mean.square().sum(dtype=torch.float64)),
+        snr_ratios(s),
     )
 
 

@@ -26,7 +26,14 @@ from gradkit._errors import describe, message
 from gradkit._validate import check_choice, check_int, check_number, check_optional_int
 from gradkit.per_example._stats import ParamStats
 
-__all__ = ["cabs_batch_size", "gradient_snr", "noise_scale", "summary_table"]
+__all__ = [
+    "ROUNDING",
+    "cabs_batch_size",
+    "gradient_snr",
+    "noise_scale",
+    "snr_ratios",
+    "summary_table",
+]
 
 
 def _select(stats: Any, names: Any, call: str) -> list[ParamStats]:
@@ -116,14 +123,34 @@ def noise_scale(stats: Mapping[str, ParamStats], names: Iterable[str] | None = N
     return _ratio(*_trace_and_norm(stats, names, "noise_scale(stats, names)"))
 
 
+ROUNDING = 256
+"""``c = ROUNDING * eps`` of the statistics' dtype: the rounding floors of :func:`snr_ratios`."""
+
+
+def snr_ratios(s: ParamStats) -> torch.Tensor:
+    """``mean^2 / variance`` (unbiased) of the entries of one parameter whose ratio is not
+    rounding noise, flat. Left out: a variance below ``c E[g^2]`` (within the rounding of
+    ``E[g^2] - mean^2``), and gradients with ``E[g^2] < c^2 max E[g^2]`` over the parameter (at
+    the rounding level of its largest entries), ``c = 256 eps``; those ratios are noise over
+    noise and change by orders of magnitude between two exact computations.
+    """
+    var = s.var(unbiased=True)
+    mean = s.mean
+    second = s.second_moment
+    c = ROUNDING * torch.finfo(mean.dtype).eps
+    ok = (var > c * second) & (second > c * c * second.max())
+    return (mean[ok].square() / var[ok]).reshape(-1)
+
+
 def gradient_snr(
     stats: Mapping[str, ParamStats], names: Iterable[str] | None = None, *, reduction: str = "mean"
 ) -> dict[str, float]:
-    """Per parameter: ``mean^2 / variance`` per entry (unbiased variance; entries with zero
-    variance are left out), reduced over entries by ``"mean"`` (Liu et al. 2020) or
-    ``"median"`` (robust to a few entries of tiny variance). A parameter with zero variance
-    everywhere gives ``inf``, or ``nan`` if its mean is 0 too (a zero gradient for every
-    example).
+    """Per parameter: ``mean^2 / variance`` per entry (unbiased variance), reduced over entries
+    by ``"mean"`` (Liu et al. 2020) or ``"median"`` (robust to a few entries of tiny
+    variance). Entries whose ratio is rounding noise are left out (:func:`snr_ratios`: zero
+    variance, a variance within the rounding of ``E[g^2] - mean^2``, gradients at the rounding
+    level of the parameter's largest). A parameter with no entry left gives ``inf``, or ``nan``
+    if its mean is 0 too (a zero gradient for every example).
 
     Examples:
         >>> import torch
@@ -138,12 +165,9 @@ def gradient_snr(
     check_choice(reduction, ("mean", "median"), "gradient_snr(stats)", "reduction")
     out = {}
     for s in _select(stats, names, "gradient_snr(stats, names)"):
-        var = s.var(unbiased=True).double()
-        mean = s.mean.double()
-        ok = var > 0
-        ratio = mean[ok].square() / var[ok]
+        ratio = snr_ratios(s).double()
         if not ratio.numel():
-            out[s.name] = float("inf") if bool(mean.ne(0).any()) else float("nan")
+            out[s.name] = float("inf") if bool(s.mean.ne(0).any()) else float("nan")
         else:
             out[s.name] = float(ratio.mean() if reduction == "mean" else ratio.median())
     return out
