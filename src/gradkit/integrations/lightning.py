@@ -25,8 +25,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from gradkit.integrations._common import metrics, monitor_options
 from gradkit.monitor import GradientMonitor, MonitorStep
-from gradkit.monitor._writers import flat_scalars
 
 __all__ = ["GradientMonitorCallback"]
 
@@ -59,14 +59,7 @@ class GradientMonitorCallback(Callback):
         super().__init__()
         self.every = every
         self.log_layers = log_layers
-        self._options = {
-            "writer": writer,
-            "quantities": quantities,
-            "layers": layers,
-            "loss_reduction": "sum",
-            "scale_to_grad": True,
-            **options,
-        }
+        self._options = monitor_options(writer, quantities, layers, options)
         self.monitor: GradientMonitor | None = None
         self._open: MonitorStep | None = None
 
@@ -92,15 +85,11 @@ class GradientMonitorCallback(Callback):
         record = self.monitor.end()
         if record is None:
             return
-        metrics = {
-            f"gradkit/{tag}": value
-            for tag, value in flat_scalars(record)
-            if self.log_layers or not tag.startswith("layers/")
-        }
+        numbers = metrics(record, self.log_layers)
         # straight to the loggers: log_dict would store float32 copies and emit them again at
         # later steps that logged nothing
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(numbers, step=trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._open is not None and self.monitor is not None:

@@ -29,28 +29,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from gradkit.integrations._common import metrics, monitor_options
 from gradkit.monitor import GradientMonitor, MonitorStep
 
 __all__ = ["GradientMonitorCallback", "monitor_trainer"]
-
-_PREFIX = "gradkit/"
-
-
-def _flat(record: dict[str, Any], layers: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        if key == "step":
-            continue
-        if key == "layers":
-            if not layers:
-                continue
-            for layer, values in value.items():
-                for k, v in values.items():
-                    if isinstance(v, (int, float)):
-                        out[f"{_PREFIX}layers/{layer}/{k}"] = float(v)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[_PREFIX + key] = float(value)
-    return out
 
 
 class GradientMonitorCallback(TrainerCallback):
@@ -85,14 +67,7 @@ class GradientMonitorCallback(TrainerCallback):
     ) -> None:
         self.every = every
         self.log_layers = log_layers
-        self._options = {
-            "writer": writer,
-            "quantities": quantities,
-            "layers": layers,
-            "loss_reduction": "sum",
-            "scale_to_grad": True,
-            **options,
-        }
+        self._options = monitor_options(writer, quantities, layers, options)
         self.monitor: GradientMonitor | None = None
         self._pending: dict[str, float] | None = None
         self._open: MonitorStep | None = None
@@ -127,7 +102,7 @@ class GradientMonitorCallback(TrainerCallback):
         self._open = None
         record = self.monitor.end()
         if record is not None:
-            self._pending = _flat(record, self.log_layers)
+            self._pending = metrics(record, self.log_layers)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._pending is not None:
