@@ -48,7 +48,6 @@ class JPoint:
                 )
             )
         self.out = out
-        self._layout_params = layout.params
         self._g: tuple[torch.Tensor | None, ...] | None = None
         self._live: list[int] = []
         if not out.requires_grad:
@@ -73,7 +72,7 @@ class JPoint:
             self.u = torch.zeros_like(self.out, requires_grad=True)
             with torch.enable_grad():
                 self._g = torch.autograd.grad(
-                    self.out, self._layout_params, self.u, create_graph=True, allow_unused=True
+                    self.out, self._layout.params, self.u, create_graph=True, allow_unused=True
                 )
             self._live = [i for i, g in enumerate(self._g) if g is not None and g.requires_grad]
         return self._g
