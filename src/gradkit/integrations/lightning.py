@@ -25,8 +25,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from gradkit.integrations._common import metrics, monitor_options
-from gradkit.monitor import GradientMonitor, MonitorStep
+from gradkit.integrations._common import MonitorWindow
+from gradkit.monitor import GradientMonitor
 
 __all__ = ["GradientMonitorCallback"]
 
@@ -57,44 +57,33 @@ class GradientMonitorCallback(Callback):
         **options: Any,
     ) -> None:
         super().__init__()
-        self.every = every
-        self.log_layers = log_layers
-        self._options = monitor_options(writer, quantities, layers, options)
-        self.monitor: GradientMonitor | None = None
-        self._open: MonitorStep | None = None
+        self.window = MonitorWindow(every, writer, quantities, layers, log_layers, options)
+
+    @property
+    def monitor(self) -> GradientMonitor | None:
+        """The :class:`~gradkit.monitor.GradientMonitor` (after ``setup``)."""
+        return self.window.monitor
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self.monitor is None or self.monitor.model is not pl_module:
-            self.monitor = GradientMonitor(pl_module, every=self.every, **self._options)
+        self.window.attach(pl_module)
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        monitor = self.monitor
-        if monitor is None or self._open is not None:
-            return
-        if batch_idx % max(1, trainer.accumulate_grad_batches) != 0:
-            return  # not the first micro-batch of an optimizer step
-        if monitor.tracks(trainer.global_step):
-            self._open = monitor.begin(trainer.global_step)
+        if batch_idx % max(1, trainer.accumulate_grad_batches) == 0:  # a step's first
+            self.window.start(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._open is None or self.monitor is None:
+        numbers = self.window.finish()
+        if numbers is None:
             return
-        self._open = None
-        record = self.monitor.end()
-        if record is None:
-            return
-        numbers = metrics(record, self.log_layers)
         # straight to the loggers: log_dict would store float32 copies and emit them again at
         # later steps that logged nothing
         for logger in trainer.loggers:
             logger.log_metrics(numbers, step=trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._open is not None and self.monitor is not None:
-            self._open = None
-            self.monitor.end(failed=True)
+        self.window.abort()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+        self.window.abort()

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from gradkit.integrations._common import metrics, monitor_options
-from gradkit.monitor import GradientMonitor, MonitorStep
+from gradkit.integrations._common import MonitorWindow
+from gradkit.monitor import GradientMonitor
 
 __all__ = ["GradientMonitorCallback", "monitor_trainer"]
 
@@ -65,44 +65,29 @@ class GradientMonitorCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **options: Any,
     ) -> None:
-        self.every = every
-        self.log_layers = log_layers
-        self._options = monitor_options(writer, quantities, layers, options)
-        self.monitor: GradientMonitor | None = None
+        self.window = MonitorWindow(every, writer, quantities, layers, log_layers, options)
         self._pending: dict[str, float] | None = None
-        self._open: MonitorStep | None = None
         if model is not None:
-            self._build(model, None)
+            self.window.attach(model)
 
-    def _build(self, model: torch.nn.Module, optimizer: Any) -> GradientMonitor:
-        if self.monitor is None or self.monitor.model is not model:
-            lr_source = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-            self.monitor = GradientMonitor(
-                model, every=self.every, optimizer=lr_source, **self._options
-            )
-        return self.monitor
+    @property
+    def monitor(self) -> GradientMonitor | None:
+        """The :class:`~gradkit.monitor.GradientMonitor` (after training starts)."""
+        return self.window.monitor
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        model = kwargs.get("model")
-        if model is not None:
-            self._build(model, kwargs.get("optimizer"))
+        if kwargs.get("model") is not None:
+            self.window.attach(kwargs["model"], kwargs.get("optimizer"))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        monitor = self.monitor
-        if monitor is None and kwargs.get("model") is not None:
-            monitor = self._build(kwargs["model"], kwargs.get("optimizer"))
-        if monitor is None or self._open is not None:
-            return
-        if monitor.tracks(state.global_step):
-            self._open = monitor.begin(state.global_step)
+        if self.window.monitor is None and kwargs.get("model") is not None:
+            self.window.attach(kwargs["model"], kwargs.get("optimizer"))
+        self.window.start(state.global_step)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._open is None or self.monitor is None:
-            return
-        self._open = None
-        record = self.monitor.end()
-        if record is not None:
-            self._pending = metrics(record, self.log_layers)
+        numbers = self.window.finish()
+        if numbers is not None:
+            self._pending = numbers
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._pending is not None:
@@ -120,9 +105,7 @@ class GradientMonitorCallback(TrainerCallback):
         self._pending = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._open is not None and self.monitor is not None:
-            self._open = None
-            self.monitor.end(failed=True)
+        self.window.abort()
 
 
 def monitor_trainer(trainer: Any, every: int = 50, **options: Any) -> GradientMonitorCallback:
