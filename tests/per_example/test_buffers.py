@@ -18,6 +18,7 @@ from gradkit.testing import per_example_grads
 def _pool_every_size(monkeypatch):
     """These models are small: pool their results too (real ones pool above 32 MiB)."""
     monkeypatch.setattr(_buffers, "_MIN_BYTES", 0)
+    monkeypatch.setattr(_buffers, "_MIN_RESULT_BYTES", 0)
 
 
 def _setup():
@@ -129,3 +130,58 @@ def test_results_under_the_size_floor_are_not_pooled(monkeypatch):
     big = torch.nn.Parameter(torch.zeros(1024, 1024))
     buf = _buffers.batch_grad_buffer(big, (8, 1024, 1024), torch.float32)  # 32 MiB
     assert buf is not None and big in _buffers._POOL
+
+
+def _stats_step(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (6,), generator=g)
+    model.zero_grad(set_to_none=True)
+    with track(model, "variance", "second_moment", moments=(3,), unbiased=True) as stats:
+        F.cross_entropy(model(x), y).backward()
+    grads = per_example_grads(model, F.cross_entropy, x, y)["0.weight"]
+    want = {
+        "mean": grads.mean(0),
+        "second_moment": grads.square().mean(0),
+        "variance": grads.var(0),  # unbiased, as asked
+        "moment3": grads.pow(3).mean(0),
+    }
+    return stats["0.weight"], want
+
+
+def _read(stat):
+    return {
+        "mean": stat.mean,
+        "second_moment": stat.second_moment,
+        "variance": stat.variance,
+        "moment3": stat.moment(3),
+    }
+
+
+def test_statistics_read_reuse_storage_once_dropped_and_never_while_held():
+    model = _setup()
+    stat, want = _stats_step(model, 0)
+    got = _read(stat)
+    ptrs = {k: v.data_ptr() for k, v in got.items()}
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-10, atol=1e-14)
+    held = got["variance"][1:]  # a view keeps its storage from the pool
+    held_want = want["variance"][1:]
+    del got, stat, v
+    stat, want = _stats_step(model, 1)
+    got = _read(stat)
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-10, atol=1e-14)
+        assert (v.data_ptr() == ptrs[k]) == (k != "variance"), k  # dropped ones are refilled
+    torch.testing.assert_close(held, held_want, rtol=1e-10, atol=1e-14)
+    again = stat.second_moment  # the first read is still bound: another buffer
+    assert again.data_ptr() != got["second_moment"].data_ptr()
+    torch.testing.assert_close(again, want["second_moment"], rtol=1e-10, atol=1e-14)
+
+
+def test_statistics_under_the_result_floor_are_fresh(monkeypatch):
+    monkeypatch.setattr(_buffers, "_MIN_RESULT_BYTES", 10**9)
+    model = _setup()
+    stat, _ = _stats_step(model, 0)
+    _ = stat.mean
+    assert model[0].weight not in _buffers._POOL

@@ -1,11 +1,19 @@
-"""Storage for per-example gradients (``batch_grad``) reused from one ``track()`` block to the
-next, on the CPU.
+"""Storage for per-example gradients (``batch_grad``) and for the statistics read from a block
+(``mean``, ``second_moment``, ``variance``, ``moment(p)``), reused from one ``track()`` block to
+the next, on the CPU.
 
 ``batch_grad`` holds ``N x params`` numbers: 274 MB for a 535k-parameter MLP at batch 128. A
 fresh CPU tensor that large is mapped by the operating system page by page as it is first
 written, and unmapped when freed, so a step that materializes it pays about as much for page
 faults as for the products (90 ms against 30 ms for that MLP). Reusing the storage of the
 previous step removes that cost.
+
+The statistics a step reads are parameter-sized (1.6 MB for that MLP's first weight). glibc
+serves those from its heap, but gives the heap's free top back to the system once it exceeds a
+threshold, and a loop that reads a statistic and drops it frees exactly such a top at the end of
+every step: the next step's read then faults its pages in again (about 750 faults, 0.3 ms per
+step on that MLP at batch 128, an eighth of the plain step). Results from :data:`_MIN_RESULT_BYTES`
+up are therefore pooled as well, a few per parameter and statistic.
 
 A buffer is reused only when nothing but this pool refers to its storage (no tensor, view or
 NumPy array of the user's): the storage's use count says so exactly, so results the user still
@@ -23,15 +31,17 @@ import math
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["batch_grad_buffer", "release_buffers"]
+__all__ = ["batch_grad_buffer", "release_buffers", "result_buffer"]
 
-_KEEP = 2  # buffers per parameter
+_KEEP = 2  # buffers per parameter and kind
 _MIN_BYTES = 32 * 2**20
 """Smaller results are not pooled: glibc serves allocations up to 32 MiB from its heap, without
 fresh pages, once the process has freed blocks that large (any training loop has), so pooling
 them gains nothing (measured: the second moment of a 535k-parameter MLP, 1.99x plain pooled,
 1.94x not)."""
-_POOL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_MIN_RESULT_BYTES = 128 * 2**10
+"""glibc's smallest mmap threshold: smaller blocks come from its bins and are not worth a pool."""
+_POOL: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> {kind: [buffers]}
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -47,18 +57,15 @@ def _free(t: torch.Tensor) -> bool:
     return _use_count(t) == _ALONE
 
 
-def batch_grad_buffer(
-    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+def _reused(
+    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, kind: str, min_bytes: int
 ) -> torch.Tensor | None:
-    """An uninitialized ``shape`` tensor of ``dtype`` for the per-example gradients of
-    ``owner`` (a parameter), reused when possible; None where nothing is pooled (not on the
-    CPU, under :data:`_MIN_BYTES`, or a torch without storage use counts): the caller
-    allocates as before."""
     if owner.device.type != "cpu" or not _HAS_USE_COUNT:
         return None
-    if math.prod(shape) * dtype.itemsize < _MIN_BYTES:
+    if math.prod(shape) * dtype.itemsize < min_bytes:
         return None
-    kept: list[torch.Tensor] = _POOL.get(owner, [])
+    kinds: dict[str, list[torch.Tensor]] = _POOL.setdefault(owner, {})
+    kept = kinds.get(kind, [])
     for buf in kept:
         if buf.shape == shape and buf.dtype == dtype and _free(buf):
             return buf.detach()  # a new tensor on the storage: it counts as a use while alive
@@ -66,17 +73,35 @@ def batch_grad_buffer(
     # theirs now, the pool only forgets it)
     kept = [b for b in kept if not _free(b)][-(_KEEP - 1) :]
     buf = torch.empty(shape, dtype=dtype, device=owner.device)
-    _POOL[owner] = [*kept, buf]
+    kinds[kind] = [*kept, buf]
     return buf.detach()
 
 
+def batch_grad_buffer(
+    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor | None:
+    """An uninitialized ``shape`` tensor of ``dtype`` for the per-example gradients of
+    ``owner`` (a parameter), reused when possible; None where nothing is pooled (not on the
+    CPU, under :data:`_MIN_BYTES`, or a torch without storage use counts): the caller
+    allocates as before."""
+    return _reused(owner, shape, dtype, "batch_grad", _MIN_BYTES)
+
+
+def result_buffer(owner: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor | None:
+    """An uninitialized tensor shaped like ``owner`` (a parameter) for the statistic ``kind``
+    read from a block, reused when possible; None where nothing is pooled (as
+    :func:`batch_grad_buffer`, under :data:`_MIN_RESULT_BYTES`)."""
+    return _reused(owner, tuple(owner.shape), dtype, kind, _MIN_RESULT_BYTES)
+
+
 def release_buffers() -> None:
-    """Free the CPU storage kept for the per-example gradients (``batch_grad``) of every
-    parameter, for the next ``track()`` block to reuse.
+    """Free the CPU storage kept for the per-example gradients (``batch_grad``) and the
+    statistics read (``mean``, ``variance``, ...) of every parameter, for the next ``track()``
+    block to reuse.
 
     Results still held stay valid (they keep their own storage alive); the next block
-    allocates afresh. Call it when a model that was tracked with ``"batch_grad"`` lives on but
-    will not be tracked again; otherwise the storage is freed with its parameter.
+    allocates afresh. Call it when a model that was tracked lives on but will not be tracked
+    again; otherwise the storage is freed with its parameter.
 
     Example:
         >>> import torch

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["Materialized", "OuterProduct", "PerExampleGrad", "cat_positions"]
+__all__ = ["BiasOf", "Materialized", "OuterProduct", "PerExampleGrad", "cat_positions"]
 
 
 def cat_positions(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -111,7 +111,8 @@ class OuterProduct(PerExampleGrad):
 
     def __init__(self, A: torch.Tensor, G: torch.Tensor, shape: torch.Size) -> None:
         self.A, self.G = A, G
-        self._sq: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._a2: torch.Tensor | None = None
+        self._g2: torch.Tensor | None = None
         self.num_examples, self.T, self.groups, self.i = A.shape
         self.o = G.shape[-1]
         self.shape = shape
@@ -166,18 +167,32 @@ class OuterProduct(PerExampleGrad):
             a, g = self._squares()
         elif p != 1:
             a, g = a.pow(p), g.pow(p)
+        if self.groups == 1:  # the scale rides in the product (addmm's alpha)
+            g2d, a2d = g[:, 0], a[:, 0]
+            if scale == 1.0:
+                return torch.mm(g2d.T, a2d).view(self.shape)
+            empty = g2d.new_empty(())  # beta=0: never read
+            return torch.addmm(empty, g2d.T, a2d, beta=0, alpha=scale**p).view(self.shape)
         if scale != 1.0:  # on the smaller factor, before the product
             g = g * scale**p
-        if self.groups == 1:
-            return (g[:, 0].T @ a[:, 0]).reshape(self.shape)
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
 
     def _squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A**2, G**2)`` at the single position, computed once (the second moment and the
         squared norms both need them)."""
-        if self._sq is None:
-            self._sq = self.A[:, 0].square(), self.G[:, 0].square()
-        return self._sq
+        return self.A_squared(), self.G_squared()
+
+    def A_squared(self) -> torch.Tensor:
+        """``A[:, 0] ** 2`` (one position), computed once."""
+        if self._a2 is None:
+            self._a2 = self.A[:, 0].square()
+        return self._a2
+
+    def G_squared(self) -> torch.Tensor:
+        """``G[:, 0] ** 2`` (one position), computed once (an affine layer's bias shares it)."""
+        if self._g2 is None:
+            self._g2 = self.G[:, 0].square()
+        return self._g2
 
     def gram_is_cheaper(self) -> bool:
         """Cost model: Gram norms ``T^2 (i + o)`` vs materializing ``T i o`` per group."""
@@ -194,3 +209,28 @@ class OuterProduct(PerExampleGrad):
         aa = a @ a.transpose(-1, -2)  # [N, g, T, T]
         gg = g @ g.transpose(-1, -2)
         return (aa * gg).sum((1, 2, 3))
+
+
+class BiasOf(Materialized):
+    """``g_n = sum_t G[n, t]``: the per-example gradients of the bias of an affine layer whose
+    weight has the :class:`OuterProduct` ``weight`` (a bias per group and output feature).
+    At one position its closed forms reuse the squares the weight's already computed."""
+
+    def __init__(self, weight: OuterProduct) -> None:
+        g = weight.G
+        if weight.T == 1:  # a view: nothing to sum
+            super().__init__(g[:, 0].reshape(g.shape[0], -1), owned=False)
+        else:
+            super().__init__(g.sum(1).reshape(g.shape[0], -1), owned=True)
+        self.weight = weight
+
+    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
+        if p != 2 or self.weight.T != 1:
+            return super().power_sum(p, scale)
+        total = self.weight.G_squared().sum(0).view(self.shape)
+        return total.mul_(scale**2) if scale != 1.0 else total
+
+    def sq_norms(self) -> torch.Tensor | None:
+        if self.weight.T != 1:
+            return super().sq_norms()
+        return self.weight.G_squared().flatten(1).sum(1)

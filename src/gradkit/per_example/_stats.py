@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit.per_example._buffers import batch_grad_buffer
+from gradkit.per_example._buffers import batch_grad_buffer, result_buffer
 from gradkit.per_example._grads import PerExampleGrad
 
 __all__ = [
@@ -308,15 +308,25 @@ class ParamStats:
         self._ready(what)
         return self._acc.sums[p]
 
+    def _out(self, kind: str) -> torch.Tensor | None:
+        """Storage for a result, reused from an earlier block's when nothing holds it (see
+        :mod:`._buffers`), or None: a fresh tensor."""
+        acc = self._acc
+        return None if acc.owner is None else result_buffer(acc.owner, acc.dtype, kind)
+
+    def _average(self, p: int, what: str, ask: str) -> torch.Tensor:
+        """``(1/N) sum_i g_i**p`` as a tensor of the caller's."""
+        return torch.div(self._sum(p, what, ask), self._acc.n, out=self._out(f"moment{p}"))
+
     @property
     def mean(self) -> torch.Tensor:
         """``(1/N) sum_i g_i``, shaped like the parameter."""
-        return self._sum(1, "mean", "'mean'") / self._acc.n
+        return self._average(1, "mean", "'mean'")
 
     @property
     def second_moment(self) -> torch.Tensor:
         """``(1/N) sum_i g_i**2``."""
-        return self._sum(2, "second_moment", "'second_moment'") / self._acc.n
+        return self._average(2, "second_moment", "'second_moment'")
 
     def moment(self, p: int) -> torch.Tensor:
         """``(1/N) sum_i g_i**p`` for a tracked ``p`` (``moments=(p, ...)``; 1 and 2 come with
@@ -331,7 +341,7 @@ class ParamStats:
                     f"pass one of the tracked powers {self.powers()}",
                 )
             )
-        return self._sum(p, f"moment({p})", f"moments=({p},)") / self._acc.n
+        return self._average(p, f"moment({p})", f"moments=({p},)")
 
     def powers(self) -> tuple[int, ...]:
         """The powers ``p`` that :meth:`moment` can give."""
@@ -352,7 +362,8 @@ class ParamStats:
         s1 = self._sum(1, "variance", "'variance'")
         s2 = self._sum(2, "variance", "'variance'")
         n = self._acc.n
-        v = torch.addcmul(s2, s1, s1, value=-1.0 / n).div_(n).clamp_min_(0)
+        v = torch.addcmul(s2, s1, s1, value=-1.0 / n, out=self._out("variance"))
+        v.div_(n).clamp_min_(0)
         if self._unbiased if unbiased is None else unbiased:
             if n < 2:
                 raise GradkitError(
@@ -365,7 +376,7 @@ class ParamStats:
                         "var(unbiased=False)",
                     )
                 )
-            v = v * (n / (n - 1))
+            v.mul_(n / (n - 1))
         return v
 
     @property

@@ -7,9 +7,16 @@ of a shared layer) are flattened into ``t``: ``g_n(W) = sum_t G[n, t]^T a[n, t]`
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
+from gradkit.per_example._grads import (
+    BiasOf,
+    Materialized,
+    OuterProduct,
+    PerExampleGrad,
+    cat_positions,
+)
 from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import statistics_dtype
 
@@ -27,13 +34,14 @@ def affine_rule(
     a = cat_positions([u.inputs[0].reshape(n, -1, d_in) for u in uses]).to(dtype)
     g = cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]).to(dtype)
     out: dict[str, PerExampleGrad] = {}
+    shape = torch.Size((d_in, d_out) if transposed else (d_out, d_in))
+    left, right = (g, a) if transposed else (a, g)
+    weight = OuterProduct(left[:, :, None], right[:, :, None], shape)
     if "weight" in ctx.params:
-        left, right = (g, a) if transposed else (a, g)
-        out["weight"] = OuterProduct(
-            left[:, :, None], right[:, :, None], ctx.params["weight"].shape
-        )
+        out["weight"] = weight
     if "bias" in ctx.params:
-        out["bias"] = Materialized(g.sum(1), owned=True)
+        # g_n(b) = sum_t G[n, t]: the weight's factor G (its A when the layout is transposed)
+        out["bias"] = Materialized(g.sum(1), owned=True) if transposed else BiasOf(weight)
     return out
 
 
