@@ -16,9 +16,8 @@ from gradkit.testing import per_example_grads
 
 @pytest.fixture(autouse=True)
 def _pool_every_size(monkeypatch):
-    """These models are small: pool their results too (real ones pool above 32 MiB)."""
+    """These models are small: pool their results too (real ones pool from 128 KiB)."""
     monkeypatch.setattr(_buffers, "_MIN_BYTES", 0)
-    monkeypatch.setattr(_buffers, "_MIN_RESULT_BYTES", 0)
 
 
 def _setup():
@@ -180,7 +179,7 @@ def test_statistics_read_reuse_storage_once_dropped_and_never_while_held():
 
 
 def test_statistics_under_the_result_floor_are_fresh(monkeypatch):
-    monkeypatch.setattr(_buffers, "_MIN_RESULT_BYTES", 10**9)
+    monkeypatch.setattr(_buffers, "_MIN_BYTES", 10**9)
     model = _setup()
     stat, _ = _stats_step(model, 0)
     _ = stat.mean
