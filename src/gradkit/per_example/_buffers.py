@@ -17,8 +17,8 @@ up are therefore pooled as well, a few per parameter and statistic.
 
 A buffer is reused only when nothing but this pool refers to its storage (no tensor, view or
 NumPy array of the user's): the storage's use count says so exactly, so results the user still
-holds are never overwritten. Each parameter keeps at most two buffers per kind, which covers the usual
-loop where the previous step's results are still bound while the next step runs
+holds are never overwritten. Each parameter keeps at most two buffers per kind, which covers
+the usual loop where the previous step's results are still bound while the next step runs
 (``with track(...) as stats`` rebinds ``stats`` only after the block's tracker exists). The
 buffers live as long as their parameter; :func:`release_buffers` frees them earlier. GPU
 tensors are not pooled: the CUDA caching allocator already reuses device memory.
