@@ -3,11 +3,25 @@ both use them, neither owns them)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["second_grads"]
+__all__ = ["graph_nodes", "second_grads"]
+
+
+def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
+    """Every node of the autograd graphs of ``roots`` (nodes, None skipped), each once."""
+    seen: set[Any] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
 
 def second_grads(

@@ -29,6 +29,7 @@ from gradkit._bench._case import Case, Method, Target
 from gradkit._bench._curvature_estimators import estimator_case
 from gradkit._bench._curvature_problem import BP_NOTE, Problem, curvlinops_methods, load_backpack
 from gradkit._bench._models import mlp_name, warm_up
+from gradkit.func import module_ggnvp
 
 __all__ = ["build_cases"]
 
@@ -120,6 +121,7 @@ def _ggn_case(p: Problem) -> Case:
     names = [n for n, _ in p.model.named_parameters()]
     primal = {n: t.detach() for n, t in zip(names, p.params, strict=True)}
     tangent = dict(zip(names, p.vs, strict=True))
+    vdict = dict(tangent)
 
     def func_jvp_vjp() -> Any:
         def f(ps: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -141,6 +143,11 @@ def _ggn_case(p: Problem) -> Case:
             lambda: gc.GGN(p.model, F.cross_entropy, p.batch) @ p.v,
         ),
         Method("extra", "G @ v, G prebuilt (each extra vector)", lambda: G @ p.v),
+        Method(
+            "module",
+            "gradkit.func.module_ggnvp(model, loss_fn, batch, v) (one product, nothing kept)",
+            lambda: list(module_ggnvp(p.model, F.cross_entropy, p.batch, vdict).values()),
+        ),
         Method(
             "build",
             "GGN(model, loss_fn, batch) (construction)",
@@ -177,6 +184,7 @@ def _ggn_case(p: Problem) -> Case:
             Method("backpack", "BackPACK ggn_vector_product (incl. forward)", backpack_ggnvp)
         )
     methods += curvlinops_methods(p, "GGNLinearOperator", notes)
+    peers = tuple(m.key for m in methods if m.key in ("func", "backpack", "curvlinops"))
     return Case(
         key="curvature_ggnvp",
         title=f"GGN-vector products for the same {mlp_name(_SIZES)} and loss",
@@ -187,6 +195,8 @@ def _ggn_case(p: Problem) -> Case:
         dtype=p.x.dtype,
         targets=[
             Target("GGNVP from scratch / gradient", "ggnvp", ("grad",), "<=", 2.2),
+            Target("one-shot GGNVP (module_ggnvp) / gradient", "module", ("grad",), "<=", 2.2),
+            Target("module_ggnvp / the fastest peer", "module", peers, "<=", 1.0),
             Target("each extra vector / gradient", "extra", ("grad",)),
             Target("construction / extra GGNVP", "build", ("extra",), "<=", 2.0),
         ],

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from gradkit._autograd import graph_nodes
 from gradkit._errors import describe, message
 from gradkit._params import LossFn
 from gradkit._params import select_params as choose
@@ -132,25 +133,13 @@ def _check_batch(inputs: Any, index: int | None, call: str) -> int:
     return n
 
 
-def _walk(roots: Iterable[Any]) -> Iterator[Any]:
-    seen: set[Any] = set()
-    stack = [r for r in roots if r is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        yield node
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-
-
 def forward_graph(out: torch.Tensor) -> tuple[set[int], bool]:
     """The ids of the leaf tensors ``out``'s graph reaches (its parameters) and whether it holds
     a custom ``autograd.Function`` node: one walk of the forward graph."""
     custom = torch.autograd.function.BackwardCFunction
     reached: set[int] = set()
     has_custom = False
-    for node in _walk([out.grad_fn]):
+    for node in graph_nodes([out.grad_fn]):
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             reached.add(id(variable))
@@ -164,10 +153,10 @@ def find_error_nodes(forward: torch.Tensor, grads: Iterable[torch.Tensor | None]
     ``autograd.Function`` nodes in the forward graph (of ``forward``) can leave them, so that
     smaller graph is searched first."""
     custom = torch.autograd.function.BackwardCFunction
-    if not any(isinstance(n, custom) for n in _walk([forward.grad_fn])):
+    if not any(isinstance(n, custom) for n in graph_nodes([forward.grad_fn])):
         return []
     roots = [t.grad_fn for t in grads if t is not None and t.grad_fn is not None]
-    return sorted({n.name() for n in _walk(roots) if "Error" in type(n).__name__})
+    return sorted({n.name() for n in graph_nodes(roots) if "Error" in type(n).__name__})
 
 
 class Data:

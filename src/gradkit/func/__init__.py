@@ -6,7 +6,7 @@
   :func:`hessian`, :func:`hvp`, :func:`hvp_operator`, :func:`stop_gradient`,
   :func:`custom_gradient`.
 * The same on ``(model, loss_fn, batch)``: :func:`module_grad`, :func:`module_value_and_grad`,
-  :func:`module_hvp`, :func:`module_hvp_operator`, :func:`module_hessian`,
+  :func:`module_hvp`, :func:`module_hvp_operator`, :func:`module_ggnvp`, :func:`module_hessian`,
   :func:`module_jacobian`.
 """
 
@@ -20,6 +20,7 @@ from gradkit.func._module import (
     module_jacobian,
     module_value_and_grad,
 )
+from gradkit.func._module_ggnvp import module_ggnvp
 from gradkit.func._module_hvp import module_hvp, module_hvp_operator
 from gradkit.func._transforms import (
     batch_jacobian,
@@ -46,6 +47,7 @@ __all__ = [
     "hvp_operator",
     "jacobian",
     "jvp",
+    "module_ggnvp",
     "module_grad",
     "module_hessian",
     "module_hvp",

@@ -46,6 +46,15 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
 
 
 def _loss(model: nn.Module, loss_fn: LossFn, batch: Any, call: str) -> torch.Tensor:
+    _check_batch(loss_fn, batch, call)
+    loss = loss_fn(_forward(model, batch[0]), batch[1])
+    _check_scalar(loss, call)
+    return loss
+
+
+def _check_batch(loss_fn: LossFn, batch: Any, call: str) -> None:
+    """Refuse a ``batch`` that is not a non-empty pair ``(inputs, targets)`` and a ``loss_fn``
+    that cannot be called."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(
             message(
@@ -58,9 +67,6 @@ def _loss(model: nn.Module, loss_fn: LossFn, batch: Any, call: str) -> torch.Ten
         )
     check_callable(loss_fn, call, "loss_fn", "a loss_fn(output, targets) returning a scalar")
     _check_examples(batch[0], call)
-    loss = loss_fn(_forward(model, batch[0]), batch[1])
-    _check_scalar(loss, call)
-    return loss
 
 
 def _check_examples(inputs: Any, call: str) -> None:

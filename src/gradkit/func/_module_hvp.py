@@ -8,12 +8,13 @@ outputs (:func:`_layer_output_hvp`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from gradkit._autograd import graph_nodes
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
 from gradkit._params import LossFn, select_params
@@ -22,6 +23,8 @@ from gradkit.func._hvp import HVPOperator
 from gradkit.func._module import _loss
 
 __all__ = ["module_hvp", "module_hvp_operator"]
+
+_T = TypeVar("_T")
 
 
 def module_hvp_operator(
@@ -86,6 +89,25 @@ def module_hvp(
         {'weight': tensor([[ 6., 12.]])}
     """
     call = f"module_hvp({type(model).__name__})"
+    chosen, vs = _chosen_vectors(model, v, params, call)
+    with torch.enable_grad():
+        res = _layer_output_hvp(model, loss_fn, batch, chosen, vs, call)
+        if res is None:
+            loss = _loss(model, loss_fn, batch, call)
+            xs = list(chosen.values())
+            gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
+            res = _second_grads(gs, xs, list(vs.values()), retain_graph=False)
+    return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
+
+
+_LINEAR_IN_WEIGHTS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _chosen_vectors(
+    model: nn.Module, v: Any, params: Iterable[str] | None, call: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The parameters ``v`` (or ``params``) picks and ``v``'s vectors for them, checked and
+    cast to each parameter's dtype."""
     if not isinstance(v, Mapping):
         raise TypeError(
             message(
@@ -109,17 +131,103 @@ def module_hvp(
                 )
             )
     vs = {n: v[n].to(p.dtype) for n, p in chosen.items()}
-    with torch.enable_grad():
-        res = _layer_output_hvp(model, loss_fn, batch, chosen, vs, call)
-        if res is None:
-            loss = _loss(model, loss_fn, batch, call)
-            xs = list(chosen.values())
-            gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
-            res = _second_grads(gs, xs, list(vs.values()), retain_graph=False)
-    return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
+    return chosen, vs
 
 
-_LINEAR_IN_WEIGHTS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+def _layer_owners(
+    model: nn.Module, chosen: Mapping[str, torch.Tensor]
+) -> dict[nn.Module, dict[str, str]] | None:
+    """``module -> {"weight"/"bias": name}`` when every chosen parameter is the weight or bias
+    of a layer whose output is linear in it (Linear, Conv), else None."""
+    owners: dict[nn.Module, dict[str, str]] = {}
+    for name in chosen:
+        prefix, _, local = name.rpartition(".")
+        module = model.get_submodule(prefix) if prefix else model
+        if not isinstance(module, _LINEAR_IN_WEIGHTS) or local not in ("weight", "bias"):
+            return None
+        owners.setdefault(module, {})[local] = name
+    return owners
+
+
+LayerCall = tuple[nn.Module, torch.Tensor, torch.Tensor]
+"""One call of an owning layer: the layer, its input ``x`` and its output ``z``."""
+
+
+def _recorded(
+    owners: Mapping[nn.Module, Any], run: Callable[[], _T]
+) -> tuple[_T, list[LayerCall] | None]:
+    """``run()`` with the calls of the ``owners`` layers recorded; None instead of the calls
+    where they cannot be used (an input passed by keyword, an output modified in place after
+    the layer)."""
+    seen: list[tuple[nn.Module, torch.Tensor | None, torch.Tensor, int]] = []
+
+    def keep(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            seen.append((module, x, out, out._version))
+
+    handles = [m.register_forward_hook(keep) for m in owners]
+    try:
+        result = run()
+    finally:
+        for h in handles:
+            h.remove()
+    calls: list[LayerCall] = []
+    for module, x, out, version in seen:
+        if x is None or out._version != version:
+            return result, None
+        calls.append((module, x, out))
+    return result, calls
+
+
+def _only_recorded_uses(
+    root: torch.Tensor,
+    calls: Sequence[LayerCall],
+    owners: Mapping[nn.Module, Mapping[str, str]],
+    chosen: Mapping[str, torch.Tensor],
+) -> bool:
+    """Whether the recorded layer calls are the only uses of the chosen parameters in the graph
+    of ``root``: each call takes its weight and bias once (an edge into their accumulators),
+    so any other use (a weight tied to another module, or read directly: ``F.linear(h,
+    self.fc.weight)``) shows as an extra edge, and a call whose output does not reach ``root``
+    as a missing one. One walk of the graph."""
+    expected = {id(p): 0 for p in chosen.values()}
+    for module, _, _ in calls:
+        for local in owners[module]:
+            expected[id(getattr(module, local))] += 1
+    found = dict.fromkeys(expected, 0)
+    for node in graph_nodes([root.grad_fn]):
+        for nxt, _ in node.next_functions:
+            variable = getattr(nxt, "variable", None)
+            if variable is not None and id(variable) in found:
+                found[id(variable)] += 1
+    return found == expected
+
+
+def _layer_directional(
+    calls: Sequence[LayerCall],
+    grads_z: Sequence[torch.Tensor | None],
+    owners: Mapping[nn.Module, Mapping[str, str]],
+    vs: Mapping[str, torch.Tensor],
+) -> torch.Tensor | None:
+    r""":math:`\sum_l \langle g_l, \mathrm{layer}_l(x_l; v_l) \rangle`: the derivative
+    along ``v`` of ``<g, z>`` over the recorded calls (``g_l``: a gradient w.r.t. the output
+    ``z_l``, None where it does not reach it); None if no call has one."""
+    total: torch.Tensor | None = None
+    for (module, x, _), gz in zip(calls, grads_z, strict=True):
+        if gz is None:
+            continue
+        names = owners[module]
+        own_weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        weight = vs[names["weight"]] if "weight" in names else torch.zeros_like(own_weight)
+        bias = vs.get(names.get("bias", ""))
+        if isinstance(module, nn.Linear):
+            z_v = nn.functional.linear(x, weight, bias)
+        else:
+            z_v = module._conv_forward(x, weight, bias)  # type: ignore[operator]
+        term = (gz * z_v).sum()
+        total = term if total is None else total + term
+    return total
 
 
 def _layer_output_hvp(
@@ -137,43 +245,20 @@ def _layer_output_hvp(
               \, \mathrm{layer}_l(x_l; v_l) \rangle, \qquad H v = \nabla_\theta \text{ of it}
 
     The first backward stops at the layer outputs ``z_l``. Returns None (use the plain double
-    backward) for any other model, or when an output was modified in place after the layer.
+    backward) for any other model, when an output was modified in place after the layer, or
+    when a chosen parameter is also used outside its layer's calls.
     """
-    owners: dict[nn.Module, dict[str, str]] = {}
-    for name in chosen:
-        prefix, _, local = name.rpartition(".")
-        module = model.get_submodule(prefix) if prefix else model
-        if not isinstance(module, _LINEAR_IN_WEIGHTS) or local not in ("weight", "bias"):
-            return None
-        owners.setdefault(module, {})[local] = name
-    seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor, int]] = []
-
-    def keep(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            seen.append((module, args[0], out, out._version))
-
-    handles = [m.register_forward_hook(keep) for m in owners]
-    try:
-        loss = _loss(model, loss_fn, batch, call)
-    finally:
-        for h in handles:
-            h.remove()
-    if not seen or any(out._version != version for _, _, out, version in seen):
+    owners = _layer_owners(model, chosen)
+    if owners is None:
         return None
-    grads_z = torch.autograd.grad(loss, [out for _, _, out, _ in seen], create_graph=True)
-    total = torch.zeros((), dtype=loss.dtype, device=loss.device)
-    for (module, x, _, _), gz in zip(seen, grads_z, strict=True):
-        names = owners[module]
-        own_weight: torch.Tensor = module.weight  # type: ignore[assignment]
-        weight = vs[names["weight"]] if "weight" in names else torch.zeros_like(own_weight)
-        bias = vs.get(names.get("bias", ""))
-        if isinstance(module, nn.Linear):
-            z_v = nn.functional.linear(x, weight, bias)
-        else:
-            z_v = module._conv_forward(x, weight, bias)  # type: ignore[operator]
-        total = total + (gz * z_v).sum()
+    loss, calls = _recorded(owners, lambda: _loss(model, loss_fn, batch, call))
+    if not calls or not _only_recorded_uses(loss, calls, owners, chosen):
+        return None
+    zs = [z for _, _, z in calls]
+    grads_z = torch.autograd.grad(loss, zs, create_graph=True, allow_unused=True)
+    total = _layer_directional(calls, grads_z, owners, vs)
     xs = list(chosen.values())
-    if not total.requires_grad:  # second derivative identically zero
+    if total is None or not total.requires_grad:  # second derivative identically zero
         return [torch.zeros_like(p) for p in xs]
     res = torch.autograd.grad(total, xs, allow_unused=True)
     return [torch.zeros_like(p) if r is None else r for r, p in zip(res, xs, strict=True)]
