@@ -178,3 +178,36 @@ class _Pair(nn.Module):
 
     def forward(self, x):
         return self.m(x), x
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(1))
+
+
+def test_attention_reads_out_proj_without_calling_it():
+    """``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling ``out_proj``: with
+    only Linear parameters chosen, the layer-output path once dropped its terms (off by 0.3)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = _Encoder().to(D)
+    x, y = torch.randn(4, 5, 8, dtype=D), torch.randint(0, 3, (4,))
+    names = [n for n, _ in model.named_parameters()]
+    linear = [n for n in names if "linear" in n or "out_proj" in n or n.startswith("head")]
+    v = {n: t for n, t in _vector(model).items() if n in linear}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in linear)
+    with sdpa_kernel(SDPBackend.MATH):  # the fused kernels have no double backward on the CPU
+        ggn = dense_ggn(model, F.cross_entropy, (x, y))
+        hess = dense_hessian(model, F.cross_entropy, [(x, y)])
+        got_g = module_ggnvp(model, F.cross_entropy, (x, y), v)
+        got_h = module_hvp(model, F.cross_entropy, (x, y), v)
+    flat_v = _flat(v, linear)
+    torch.testing.assert_close(_flat(got_g, linear), ggn @ flat_v, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(_flat(got_h, linear), hess @ flat_v, rtol=1e-10, atol=1e-12)
