@@ -588,20 +588,59 @@ class _DirectUse(torch.nn.Module):
         return self.b(torch.tanh(torch.nn.functional.linear(h, self.a.weight)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tracked parameter's uses outside its module's calls are not seen (documented)",
-)
-def test_a_weight_read_outside_its_module_is_refused_or_counted():
+def test_a_weight_read_outside_its_module_is_refused_before_any_gradient():
     torch.manual_seed(0)
     model = _DirectUse().double()
     x = torch.randn(6, 3, dtype=torch.float64)
     y = torch.randn(6, 2, dtype=torch.float64)
-
-    def loss_fn(out, t):
-        return torch.nn.functional.mse_loss(out, t, reduction="sum")
-
+    refused = pytest.raises(GradkitError, match=r"'a.weight' used on the examples outside its")
+    with refused, gradkit.per_example.track(model, "batch_grad", loss_reduction="sum"):
+        F.mse_loss(model(x), y, reduction="sum").backward()
+    assert all(p.grad is None for p in model.parameters())
+    model.a.weight.requires_grad_(False)  # the fix the message gives: the rest is tracked
     with gradkit.per_example.track(model, "batch_grad", loss_reduction="sum") as stats:
-        loss_fn(model(x), y).backward()
-    ref = per_example_grads(model, loss_fn, x, y)
-    torch.testing.assert_close(stats["a.weight"].batch_grad, ref["a.weight"])
+        F.mse_loss(model(x), y, reduction="sum").backward()
+    ref = per_example_grads(model, lambda o, t: F.mse_loss(o, t, reduction="sum"), x, y)
+    for name, want in ref.items():
+        assert_close(stats[name].batch_grad, want)
+
+
+class _TiedMatmul(nn.Module):
+    """The embedding's weight read again as the output projection, by a matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, idx):
+        return torch.tanh(self.fc(self.emb(idx))) @ (2 * self.emb.weight).T
+
+
+def test_an_embedding_read_again_by_a_matmul_is_refused():
+    torch.manual_seed(0)
+    model = _TiedMatmul().double()
+    idx = torch.randint(0, 10, (5,))
+    refused = pytest.raises(GradkitError, match=r"'emb.weight' used on the examples outside")
+    with refused, gradkit.per_example.track(model, "variance", loss_reduction="sum"):
+        F.cross_entropy(model(idx), idx, reduction="sum").backward()
+
+
+def test_regularizers_of_the_parameters_alone_are_left_out_not_refused():
+    """Weight decay and a penalty on W W^T involve no example: not part of the per-example
+    losses, so neither refused nor counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    ref = per_example_grads(model, lambda o, t: F.mse_loss(o, t, reduction="sum"), x, y)
+    w = model[0].weight
+    penalties = [
+        lambda: 0.1 * sum(p.pow(2).sum() for p in model.parameters()),
+        lambda: (w @ w.T - torch.eye(4, dtype=w.dtype)).pow(2).sum(),
+    ]
+    for penalty in penalties:
+        with gradkit.per_example.track(model, "batch_grad", loss_reduction="sum") as stats:
+            (F.mse_loss(model(x), y, reduction="sum") + penalty()).backward()
+        for name, want in ref.items():
+            assert_close(stats[name].batch_grad, want)

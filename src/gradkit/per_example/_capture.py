@@ -23,7 +23,8 @@ from gradkit.per_example._edge_mean import EdgeMean, will_execute
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
-from gradkit.per_example._layout import check_loss_reduction
+from gradkit.per_example._layout import backward_roots, check_loss_reduction
+from gradkit.per_example._outside import check_outside_uses, checked_module
 from gradkit.per_example._registry import Use, find_rule
 from gradkit.per_example.rules import vmap_rule
 from gradkit.per_example.rules._thirdparty import unsplittable
@@ -51,6 +52,7 @@ class UseRecord:
     recomputed: bool = False  # a forward run inside a backward (activation checkpointing)
     label: str = ""  # "name (Class)" of the module
     nodes: list[Node] = field(default_factory=list)  # the graph nodes of its outputs
+    checked: tuple[int, ...] = ()  # ids of its parameters whose other uses are refused
 
     def release_graph(self) -> None:
         """Drop the references to graph nodes once this backward has read them. The record
@@ -81,6 +83,7 @@ class ModuleState:
     batch_dim: int  # of its inputs and outputs (see inner_batch_dims)
     transposed: bool | None = None  # a weight whose gradient LinearWithSums may sum (layout)
     shared: bool = False  # a parameter of it is also another tracked module's
+    checked: tuple[int, ...] = ()  # ids of its parameters whose uses outside it are refused
     forward_count: int = 0
     pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
@@ -89,7 +92,9 @@ class ModuleState:
         return f"{self.name or 'model'} ({type(self.module).__name__})"
 
 
-def check_pass(records: Sequence[UseRecord], loss_reduction: str | None) -> None:
+def check_pass(
+    records: Sequence[UseRecord], loss_reduction: str | None, names: Mapping[int, str]
+) -> None:
     """Refuse a backward pass that would give wrong statistics: one that differentiates a
     layer split into another number of examples, or layers that disagree on ``N``, or a loss
     that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum of per-example
@@ -110,8 +115,19 @@ def check_pass(records: Sequence[UseRecord], loss_reduction: str | None) -> None
     if len({k for _, k in sizes}) > 1:
         raise disagree_error(sizes)
     n = sizes[0][1] if sizes else None
+    roots = backward_roots()
     if loss_reduction is not None:
-        check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes})
+        check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes}, roots)
+    expected: dict[int, int] = {}
+    for r in live:
+        for pid in r.checked:
+            expected[pid] = expected.get(pid, 0) + 1
+    check_outside_uses(
+        [t.grad_fn for t in roots if t.grad_fn is not None],
+        expected,
+        {pid: names[pid] for pid in expected},
+        {nd for r in live for nd in r.nodes},
+    )
 
 
 def check_still_trainable(st: ModuleState) -> None:
@@ -194,8 +210,11 @@ def tracked_modules(
         states.append(ModuleState(name, module, rule, own, pids, dims[name], transposed))
         for pid in pids.values():
             owners[pid] = owners.get(pid, 0) + 1
+    unchecked = {pid for st in states if not checked_module(st.module) for pid in st.pids.values()}
     for st in states:
         st.shared = any(owners[pid] > 1 for pid in st.pids.values())
+        if checked_module(st.module) and st.rule is not vmap_rule:
+            st.checked = tuple(pid for pid in st.pids.values() if pid not in unchecked)
     return states
 
 

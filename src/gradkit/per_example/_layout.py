@@ -385,13 +385,16 @@ def reaches(node: Any, targets: set[Any], limit: int = 200_000) -> bool:
     return False
 
 
-def check_loss_reduction(declared: str, n: int | None, targets: set[Any]) -> None:
+def check_loss_reduction(
+    declared: str, n: int | None, targets: set[Any], roots: list[torch.Tensor] | None = None
+) -> None:
     """Refuse a loss whose reduction certainly contradicts ``declared`` (``track``'s
-    ``loss_reduction``) in the backward pass under way, ``n`` examples reaching the graph nodes
-    ``targets`` (see :func:`loss_reductions`). A mean over other rows than the examples
-    (tokens) read as a sum is a valid choice (``l_i`` = the example's token losses over their
-    count) and goes through."""
-    roots = backward_roots()
+    ``loss_reduction``) in the backward pass under way (from ``roots``, default
+    :func:`backward_roots`), ``n`` examples reaching the graph nodes ``targets`` (see
+    :func:`loss_reductions`). A mean over other rows than the examples (tokens) read as a sum
+    is a valid choice (``l_i`` = the example's token losses over their count) and goes
+    through."""
+    roots = backward_roots() if roots is None else roots
     for found in loss_reductions(roots):
         if found.reduction == declared:
             continue

@@ -374,6 +374,7 @@ class Tracker(TrackerResults):
                 recomputed=in_backward(),
                 label=st.label,
                 nodes=[t.grad_fn for t in live if t.grad_fn is not None],
+                checked=st.checked,
             )
             self._records.append(record)
             st.forward_count += 1
@@ -473,7 +474,9 @@ class Tracker(TrackerResults):
                     "start a new track block for the next step",
                 )
             )
-        check_pass(self._records, self._loss_reduction if self.verify_reduction else None)
+        check_pass(
+            self._records, self._loss_reduction if self.verify_reduction else None, self._names
+        )
 
     # -- processing ----------------------------------------------------------------------------
 

@@ -1,0 +1,138 @@
+"""Refuse a tracked parameter that the examples' computation also uses outside its layer's
+calls (``F.linear(h, self.fc.weight)``, ``h @ self.embed.weight.T`` with ``fc``/``embed``
+tracked): the statistics are built from the layer's calls, so that use would be silently left
+out of every example's gradient.
+
+A call of the layers checked here (:data:`CHECKED`) takes each of its parameters through
+exactly one graph edge into the parameter's accumulator. At the start of a backward pass one
+walk of its graph counts those edges; a parameter with more edges than its layer has calls in
+the pass is used elsewhere too. Such a use is harmless when it does not involve the examples,
+as weight decay added to the loss: the statistics are those of the per-example losses through
+the layers, by definition. So each edge is followed up through the nodes that do not depend on
+any tracked layer's output (the parameter-only part of the graph) to the first nodes that do;
+the edge is a use on the examples when one of those has an output with a dimension (a scalar
+loss that a regularizer is added to has none). More such edges than calls raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+from torch.autograd.graph import Node
+
+from gradkit._autograd import graph_nodes
+from gradkit._errors import GradkitError, message
+
+__all__ = ["CHECKED", "check_outside_uses", "checked_module"]
+
+CHECKED: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GroupNorm,
+)
+"""Layers whose calls take each of their parameters through one graph edge."""
+
+
+def checked_module(module: nn.Module) -> bool:
+    """Whether ``module``'s calls take each own parameter through one graph edge (the layers
+    of :data:`CHECKED`, and Hugging Face's ``Conv1D``), its parameters being its own tensors
+    (no parametrization)."""
+    if not isinstance(module, CHECKED) and type(module).__name__ != "Conv1D":
+        return False
+    return all(
+        getattr(module, name, None) is p for name, p in module._parameters.items() if p is not None
+    )
+
+
+def _edges(roots: Iterable[Node], pids: Mapping[int, str]) -> dict[int, list[Node]]:
+    """``id(parameter) -> [node]``: the nodes with an edge into each checked parameter."""
+    found: dict[int, list[Node]] = {}
+    for node in graph_nodes(roots):
+        for nxt, _ in node.next_functions:
+            variable = getattr(nxt, "variable", None)
+            if variable is not None and id(variable) in pids:
+                found.setdefault(id(variable), []).append(node)
+    return found
+
+
+def _on_examples(roots: Sequence[Node], calls: set[Node], sources: list[Node]) -> int:
+    """How many of the edges from ``sources`` reach a node that depends on a tracked call's
+    output (``calls``) and has an output with a dimension, through nodes that depend on no
+    such output."""
+    parents: dict[Node, list[Node]] = {}
+    depends: dict[Node, bool] = {}
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:  # depth first, each node settled after its children (the graph is acyclic)
+        node, children_done = stack.pop()
+        if node in depends:
+            continue
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if children_done:
+            depends[node] = node in calls or any(depends[n] for n in nexts)
+            continue
+        stack.append((node, True))
+        for n in nexts:
+            parents.setdefault(n, []).append(node)
+            if n not in depends:
+                stack.append((n, False))
+    count = 0
+    for source in sources:
+        todo, seen, on_examples = [source], set(), False
+        while todo and not on_examples:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if depends.get(node, False):
+                on_examples = _has_dimension(node)
+            else:
+                todo.extend(parents.get(node, []))
+        count += on_examples
+    return count
+
+
+def _has_dimension(node: Node) -> bool:
+    """Whether an output of ``node`` (in the forward) has at least one dimension."""
+    metadata: Any = getattr(node, "_input_metadata", ())
+    try:
+        return any(len(m.shape) > 0 for m in metadata)
+    except (AttributeError, RuntimeError, TypeError):
+        return True  # unknown: count it as a use on the examples
+
+
+def check_outside_uses(
+    roots: Sequence[Any],
+    expected: Mapping[int, int],
+    names: Mapping[int, str],
+    calls: set[Node],
+) -> None:
+    """Raise when a checked parameter (``expected``: ``id -> calls of its layers in this
+    pass``) has more graph edges on the examples than calls (see the module docstring);
+    ``roots``: the pass's root nodes, ``calls``: the tracked calls' output nodes."""
+    if not expected or not roots:
+        return
+    found = _edges(roots, names)
+    over = [pid for pid, nodes in found.items() if len(nodes) > expected.get(pid, 0)]
+    for pid in over:
+        if _on_examples(roots, calls, found[pid]) > expected.get(pid, 0):
+            name = names[pid]
+            raise GradkitError(
+                message(
+                    "per_example.track(model, ...)",
+                    "model",
+                    "tracked layers' parameters used on the examples only through the layers' "
+                    "own calls",
+                    f"{name!r} used on the examples outside its layer's calls too (e.g. read "
+                    f"directly, as F.linear(h, layer.weight)): its per-example gradients would "
+                    "leave that use out",
+                    "call the layer instead, tie the weight to a second module (tracked as a "
+                    f"shared parameter), or freeze {name!r} (requires_grad_(False)) to track the "
+                    "rest",
+                )
+            )
