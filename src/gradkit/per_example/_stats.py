@@ -30,6 +30,7 @@ __all__ = [
     "PowerSums",
     "Want",
     "add_block",
+    "as_dtype",
     "parse_want",
     "statistics_dtype",
 ]
@@ -123,6 +124,12 @@ def parse_want(quantities: Sequence[Any], moments: Any, call: str) -> Want:
     return Want(frozenset(quantities), tuple(sorted(set(moments))))
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call when ``t`` already has it (a no-op ``to`` costs as
+    much as a small kernel: a few microseconds per parameter and step)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in float64 for float64 parameters, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -147,7 +154,7 @@ class PowerSums:
     ) -> None:
         """Add ``alpha * value`` to the sum of ``g**p``. ``value`` is never modified; with
         ``owned=True`` (a fresh tensor nothing else holds) a first value is kept as is."""
-        value = value.to(self.dtype)
+        value = as_dtype(value, self.dtype)
         if p in self.sums:
             self.sums[p].add_(value, alpha=alpha)
         elif owned and alpha == 1.0:
@@ -199,7 +206,7 @@ def add_block(
     if "batch_l2" in want.quantities:
         l2_direct = pe.sq_norms()
         if l2_direct is not None:
-            acc.l2.append(l2_direct.to(acc.dtype) * scale**2)
+            acc.l2.append(as_dtype(l2_direct, acc.dtype) * scale**2)
     need_l2 = "batch_l2" in want.quantities and l2_direct is None
     keep = "batch_grad" in want.quantities
     out = None
@@ -221,7 +228,7 @@ def add_block(
         for block, scaled in blocks:
             if pe.on_block is not None:
                 pe.on_block(block)
-            g = block.to(acc.dtype)  # fresh blocks are scaled and squared in place
+            g = as_dtype(block, acc.dtype)  # fresh blocks are scaled and squared in place
             if g is block and not pe.owned:
                 g = g.clone()
             if scale != 1.0 and not scaled:

@@ -25,7 +25,7 @@ from torch import nn
 
 from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad, cat_positions
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import statistics_dtype
+from gradkit.per_example._stats import as_dtype, statistics_dtype
 
 
 def _pads(module: nn.modules.conv._ConvNd, spatial: int) -> list[int]:
@@ -216,7 +216,7 @@ def conv_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     assert isinstance(module, nn.modules.conv._ConvNd)
     n = uses[0].grad_output.shape[0]
     dtype = statistics_dtype(uses[0].grad_output.dtype)
-    pairs = [(u.inputs[0].to(dtype), u.grad_output.to(dtype)) for u in uses]
+    pairs = [(as_dtype(u.inputs[0], dtype), as_dtype(u.grad_output, dtype)) for u in uses]
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
         pe = ConvWeightGrad(module, pairs)

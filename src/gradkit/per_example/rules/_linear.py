@@ -18,7 +18,7 @@ from gradkit.per_example._grads import (
     cat_positions,
 )
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import statistics_dtype
+from gradkit.per_example._stats import as_dtype, statistics_dtype
 
 
 def affine_rule(
@@ -31,8 +31,8 @@ def affine_rule(
     d_in = uses[0].inputs[0].shape[-1]
     d_out = uses[0].grad_output.shape[-1]
     dtype = statistics_dtype(uses[0].grad_output.dtype)
-    a = cat_positions([u.inputs[0].reshape(n, -1, d_in) for u in uses]).to(dtype)
-    g = cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]).to(dtype)
+    a = as_dtype(cat_positions([u.inputs[0].reshape(n, -1, d_in) for u in uses]), dtype)
+    g = as_dtype(cat_positions([u.grad_output.reshape(n, -1, d_out) for u in uses]), dtype)
     out: dict[str, PerExampleGrad] = {}
     shape = torch.Size((d_in, d_out) if transposed else (d_out, d_in))
     left, right = (g, a) if transposed else (a, g)

@@ -21,7 +21,7 @@ from torch import nn
 
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use, register_rule
-from gradkit.per_example._stats import statistics_dtype
+from gradkit.per_example._stats import as_dtype, statistics_dtype
 
 
 def _sum_positions(
@@ -62,8 +62,8 @@ def _affine(
 
 def _prep(uses: list[Use]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     dtype = statistics_dtype(uses[0].grad_output.dtype)
-    xs = [u.inputs[0].to(dtype) for u in uses]
-    gs = [u.grad_output.to(dtype) for u in uses]
+    xs = [as_dtype(u.inputs[0], dtype) for u in uses]
+    gs = [as_dtype(u.grad_output, dtype) for u in uses]
     return xs, gs
 
 
