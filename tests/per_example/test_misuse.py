@@ -593,7 +593,7 @@ def test_a_weight_read_outside_its_module_is_refused_before_any_gradient():
     model = _DirectUse().double()
     x = torch.randn(6, 3, dtype=torch.float64)
     y = torch.randn(6, 2, dtype=torch.float64)
-    refused = pytest.raises(GradkitError, match=r"'a.weight' used on the examples outside its")
+    refused = pytest.raises(GradkitError, match=r"'a.weight' used on the examples outside their")
     with refused, gradkit.per_example.track(model, "batch_grad", loss_reduction="sum"):
         F.mse_loss(model(x), y, reduction="sum").backward()
     assert all(p.grad is None for p in model.parameters())
@@ -644,3 +644,25 @@ def test_regularizers_of_the_parameters_alone_are_left_out_not_refused():
             (F.mse_loss(model(x), y, reduction="sum") + penalty()).backward()
         for name, want in ref.items():
             assert_close(stats[name].batch_grad, want)
+
+
+class _NeverCalled(nn.Module):
+    """``a`` is never called: its weight is only read directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(F.linear(x, self.a.weight, self.a.bias)))
+
+
+def test_a_layer_only_read_directly_is_refused_not_given_zero_gradients():
+    torch.manual_seed(0)
+    model = _NeverCalled().double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    refused = pytest.raises(GradkitError, match=r"'a.bias', 'a.weight' used on the examples")
+    with refused, gradkit.per_example.track(model, "variance", loss_reduction="sum"):
+        F.mse_loss(model(x), y, reduction="sum").backward()

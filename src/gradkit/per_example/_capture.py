@@ -93,14 +93,16 @@ class ModuleState:
 
 
 def check_pass(
-    records: Sequence[UseRecord], loss_reduction: str | None, names: Mapping[int, str]
+    records: Sequence[UseRecord],
+    loss_reduction: str | None,
+    checked: Mapping[int, str],
 ) -> None:
     """Refuse a backward pass that would give wrong statistics: one that differentiates a
     layer split into another number of examples, or layers that disagree on ``N``, or a loss
     that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum of per-example
-    shares). Called at the pass's first tracked output,
-    before the gradient reaches any tracked parameter (a refused pass leaves ``p.grad`` as it
-    was)."""
+    shares), or a parameter of ``checked`` (``id -> name``) used outside its layer's calls (see
+    :mod:`._outside`). Called at the pass's first tracked output, before the gradient reaches
+    any tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
     live: list[UseRecord] = []
     for r in records:
         try:
@@ -118,15 +120,20 @@ def check_pass(
     roots = backward_roots()
     if loss_reduction is not None:
         check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes}, roots)
-    expected: dict[int, int] = {}
-    for r in live:
+    # the calls this pass differentiates: the engine does not list a root's own node as one it
+    # will execute (autograd.grad(out, ...) with out a layer's output)
+    tops = {t.grad_fn for t in roots}
+    seen = {id(r) for r in live}
+    counted = live + [r for r in records if id(r) not in seen and any(n in tops for n in r.nodes)]
+    expected = dict.fromkeys(checked, 0)  # a layer not called in this pass: no use at all
+    for r in counted:
         for pid in r.checked:
-            expected[pid] = expected.get(pid, 0) + 1
+            expected[pid] += 1
     check_outside_uses(
         [t.grad_fn for t in roots if t.grad_fn is not None],
         expected,
-        {pid: names[pid] for pid in expected},
-        {nd for r in live for nd in r.nodes},
+        checked,
+        {nd for r in counted for nd in r.nodes},
     )
 
 

@@ -61,10 +61,8 @@ def _edges(roots: Iterable[Node], pids: Mapping[int, str]) -> dict[int, list[Nod
     return found
 
 
-def _on_examples(roots: Sequence[Node], calls: set[Node], sources: list[Node]) -> int:
-    """How many of the edges from ``sources`` reach a node that depends on a tracked call's
-    output (``calls``) and has an output with a dimension, through nodes that depend on no
-    such output."""
+def _maps(roots: Sequence[Node], calls: set[Node]) -> tuple[dict[Node, list[Node]], set[Node]]:
+    """Each node's parents, and the nodes that depend on a tracked call's output (``calls``)."""
     parents: dict[Node, list[Node]] = {}
     depends: dict[Node, bool] = {}
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
@@ -81,6 +79,14 @@ def _on_examples(roots: Sequence[Node], calls: set[Node], sources: list[Node]) -
             parents.setdefault(n, []).append(node)
             if n not in depends:
                 stack.append((n, False))
+    return parents, {node for node, d in depends.items() if d}
+
+
+def _on_examples(
+    parents: Mapping[Node, list[Node]], depends: set[Node], sources: list[Node]
+) -> int:
+    """How many of the edges from ``sources`` reach a node that depends on a tracked call's
+    output and has an output with a dimension, through nodes that depend on none."""
     count = 0
     for source in sources:
         todo, seen, on_examples = [source], set(), False
@@ -89,7 +95,7 @@ def _on_examples(roots: Sequence[Node], calls: set[Node], sources: list[Node]) -
             if node in seen:
                 continue
             seen.add(node)
-            if depends.get(node, False):
+            if node in depends:
                 on_examples = _has_dimension(node)
             else:
                 todo.extend(parents.get(node, []))
@@ -119,20 +125,24 @@ def check_outside_uses(
         return
     found = _edges(roots, names)
     over = [pid for pid, nodes in found.items() if len(nodes) > expected.get(pid, 0)]
-    for pid in over:
-        if _on_examples(roots, calls, found[pid]) > expected.get(pid, 0):
-            name = names[pid]
-            raise GradkitError(
-                message(
-                    "per_example.track(model, ...)",
-                    "model",
-                    "tracked layers' parameters used on the examples only through the layers' "
-                    "own calls",
-                    f"{name!r} used on the examples outside its layer's calls too (e.g. read "
-                    f"directly, as F.linear(h, layer.weight)): its per-example gradients would "
-                    "leave that use out",
-                    "call the layer instead, tie the weight to a second module (tracked as a "
-                    f"shared parameter), or freeze {name!r} (requires_grad_(False)) to track the "
-                    "rest",
-                )
+    if not over:
+        return
+    parents, depends = _maps(roots, calls)
+    outside = [
+        names[pid] for pid in over if _on_examples(parents, depends, found[pid]) > expected[pid]
+    ]
+    if outside:
+        listed = ", ".join(repr(n) for n in sorted(outside))
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                "model",
+                "tracked layers' parameters used on the examples only through the layers' own "
+                "calls",
+                f"{listed} used on the examples outside their layer's calls too (e.g. read "
+                "directly, as F.linear(h, layer.weight)): their per-example gradients would "
+                "leave that use out",
+                "call the layer instead, tie the weight to a second module (tracked as a "
+                "shared parameter), or freeze them (requires_grad_(False)) to track the rest",
             )
+        )

@@ -176,6 +176,7 @@ class Tracker(TrackerResults):
         register_available()  # rules for third-party layers whose library the user imported
         dims = inner_batch_dims(modules, batch_dim, given_dims)
         self._states = tracked_modules(modules, dims, fallback, call)
+        self._checked = {pid: self._names[pid] for st in self._states for pid in st.checked}
         for st in self._states:
             for pid in st.pids.values():
                 param = self._params[pid]
@@ -475,7 +476,7 @@ class Tracker(TrackerResults):
                 )
             )
         check_pass(
-            self._records, self._loss_reduction if self.verify_reduction else None, self._names
+            self._records, self._loss_reduction if self.verify_reduction else None, self._checked
         )
 
     # -- processing ----------------------------------------------------------------------------
