@@ -3,12 +3,12 @@ both use them, neither owns them)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["graph_nodes", "second_grads"]
+__all__ = ["edges_into", "graph_nodes", "second_grads"]
 
 
 def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
@@ -22,6 +22,20 @@ def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
         seen.add(node)
         yield node
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+
+def edges_into(roots: Iterable[Any], ids: Container[int]) -> dict[int, list[Any]]:
+    """``id(leaf) -> [node]``: for each leaf tensor of ``ids`` (parameters) that the graphs of
+    ``roots`` reach, the nodes with an edge into its gradient accumulator, one entry per edge.
+    A layer's call takes each of its parameters through one such edge, so the counts tell the
+    uses of a parameter apart from its layer's calls."""
+    found: dict[int, list[Any]] = {}
+    for node in graph_nodes(roots):
+        for nxt, _ in node.next_functions:
+            variable = getattr(nxt, "variable", None)
+            if variable is not None and id(variable) in ids:
+                found.setdefault(id(variable), []).append(node)
+    return found
 
 
 def second_grads(

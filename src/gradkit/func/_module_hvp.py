@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from gradkit._autograd import graph_nodes
+from gradkit._autograd import edges_into
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
 from gradkit._params import LossFn, select_params
@@ -195,13 +195,8 @@ def _only_recorded_uses(
     for module, _, _ in calls:
         for local in owners[module]:
             expected[id(getattr(module, local))] += 1
-    found = dict.fromkeys(expected, 0)
-    for node in graph_nodes([root.grad_fn]):
-        for nxt, _ in node.next_functions:
-            variable = getattr(nxt, "variable", None)
-            if variable is not None and id(variable) in found:
-                found[id(variable)] += 1
-    return found == expected
+    found = edges_into([root.grad_fn], expected)
+    return all(len(found.get(pid, ())) == k for pid, k in expected.items())
 
 
 def _layer_directional(

@@ -16,13 +16,13 @@ loss that a regularizer is added to has none). More such edges than calls raise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 from torch.autograd.graph import Node
 
-from gradkit._autograd import graph_nodes
+from gradkit._autograd import edges_into
 from gradkit._errors import GradkitError, message
 
 __all__ = ["CHECKED", "check_outside_uses", "checked_module"]
@@ -48,17 +48,6 @@ def checked_module(module: nn.Module) -> bool:
     return all(
         getattr(module, name, None) is p for name, p in module._parameters.items() if p is not None
     )
-
-
-def _edges(roots: Iterable[Node], pids: Mapping[int, str]) -> dict[int, list[Node]]:
-    """``id(parameter) -> [node]``: the nodes with an edge into each checked parameter."""
-    found: dict[int, list[Node]] = {}
-    for node in graph_nodes(roots):
-        for nxt, _ in node.next_functions:
-            variable = getattr(nxt, "variable", None)
-            if variable is not None and id(variable) in pids:
-                found.setdefault(id(variable), []).append(node)
-    return found
 
 
 def _maps(roots: Sequence[Node], calls: set[Node]) -> tuple[dict[Node, list[Node]], set[Node]]:
@@ -123,7 +112,7 @@ def check_outside_uses(
     ``roots``: the pass's root nodes, ``calls``: the tracked calls' output nodes."""
     if not expected or not roots:
         return
-    found = _edges(roots, names)
+    found = edges_into(roots, names)
     over = [pid for pid, nodes in found.items() if len(nodes) > expected.get(pid, 0)]
     if not over:
         return
