@@ -40,7 +40,8 @@ def affine_rule(
     if "weight" in ctx.params:
         out["weight"] = weight
     if "bias" in ctx.params:
-        # g_n(b) = sum_t G[n, t]: the weight's factor G (its A when the layout is transposed)
+        # g_n(b) = sum_t G[n, t], which shares G and its square with the weight's closed
+        # forms; in the transposed layout G is the weight's first factor: summed here
         out["bias"] = Materialized(g.sum(1), owned=True) if transposed else BiasOf(weight)
     return out
 
