@@ -6,7 +6,10 @@ Every case is compared with the one-example-at-a-time autograd loop
 ``variance``, ``moment(3)``, ``batch_l2`` and ``batch_grad``, under ``loss_reduction`` "mean"
 and "sum", for N = 1, N = 3 and N = 3 split [2, 1] over two backward passes in one ``track``
 block; a float32 run must agree with the float64 oracle at the float32 long-reduction
-tolerance, and ``p.grad`` must be bitwise what it is without tracking. A third run per case
+tolerance, and ``p.grad`` must be bitwise what it is without tracking (up to float rounding
+for what ``fuse`` sums from the per-example gradients: every call that can be fused is, the size
+threshold set to 0 here, so that each convolution and sequence configuration goes through
+:mod:`gradkit.per_example._fused`). A third run per case
 leaves out ``batch_grad`` and materializes one example at a time (``chunk_size=1``), through
 ``.backward()`` and through ``torch.autograd.grad`` (where the mean comes from the rule rather
 than from the parameters' gradient edges).
@@ -42,12 +45,19 @@ from torch import nn
 
 import gradkit
 from gradkit import GradkitError
+from gradkit.per_example import _fused
 from gradkit.testing import assert_close, per_example_grads, tolerances
 
 from ._grads_check import same_grads
 
 D = torch.float64
 QUANTITIES = ("mean", "variance", "batch_l2", "batch_grad")
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fuse the grid's small layers too (see the module docstring)."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
 
 
 @dataclass(frozen=True)

@@ -666,3 +666,76 @@ def test_a_layer_only_read_directly_is_refused_not_given_zero_gradients():
     refused = pytest.raises(GradkitError, match=r"'a.bias', 'a.weight' used on the examples")
     with refused, gradkit.per_example.track(model, "variance", loss_reduction="sum"):
         F.mse_loss(model(x), y, reduction="sum").backward()
+
+
+# -- a backward pass that raises part-way --------------------------------------------------------
+
+
+class _Raise(torch.autograd.Function):
+    """Identity forward; its backward raises (a failing node between two layers)."""
+
+    @staticmethod
+    def forward(ctx, h):  # type: ignore[no-untyped-def]
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a node of the backward pass failed")
+
+
+def _two_layers() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D), torch.randn(
+        5, 3, dtype=D
+    )
+
+
+@pytest.mark.parametrize("quantity", ["variance", "batch_grad", "batch_l2"])
+def test_a_pass_that_raised_after_reaching_a_layer_makes_the_block_refuse(quantity):
+    # the last layer's statistics were added when the pass raised below it: every later pass
+    # and read of the block would be off (they were, by 0.7 on the entries of a batch_grad)
+    model, x = _two_layers()
+    with track(model, quantity, loss_reduction="sum") as stats:
+        out = model[2](_Raise.apply(model[1](model[0](x))))
+        with pytest.raises(RuntimeError, match="failed"):
+            cubic(out).sum().backward()
+        with pytest.raises(GradkitError, match="raised part-way"):
+            model(x)  # the next step's forward
+        with pytest.raises(GradkitError, match="start a new track block"):
+            stats["2.weight"].variance if quantity == "variance" else stats.batch_l2()
+    with pytest.raises(GradkitError, match="raised part-way"):
+        _ = stats.num_examples
+    with pytest.raises(GradkitError, match="raised part-way"), stats:
+        pass
+    model.zero_grad()
+    with track(model, "variance", "batch_l2", "batch_grad", loss_reduction="sum") as fresh:
+        cubic(model(x)).sum().backward()
+    ref = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None)
+    assert_close(fresh["2.weight"].batch_grad, ref["2.weight"], rtol=1e-10, atol=1e-12)
+    assert_close(fresh["0.weight"].variance, ref["0.weight"].var(0, unbiased=False))
+
+
+def test_a_second_backward_after_a_failed_one_is_refused_before_any_gradient():
+    model, x = _two_layers()
+    with track(model, "variance", loss_reduction="sum"):
+        h = model[1](model[0](x))
+        out = model[2](_Raise.apply(h))
+        with pytest.raises(RuntimeError, match="failed"):
+            cubic(out).sum().backward(retain_graph=True)
+        model.zero_grad()
+        with pytest.raises(GradkitError, match="raised part-way"):
+            cubic(model[2](h)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_pass_that_raised_before_reaching_any_layer_leaves_the_statistics_exact():
+    # nothing of that pass was added: the block goes on
+    model, x = _two_layers()
+    with track(model, "variance", "batch_grad", loss_reduction="sum") as stats:
+        with pytest.raises(RuntimeError, match="failed"):
+            cubic(_Raise.apply(model(x))).sum().backward()
+        cubic(model(x)).sum().backward()
+    ref = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None)
+    for name, g in ref.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)

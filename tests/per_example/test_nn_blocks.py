@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import gradkit
 from gradkit import GradkitError
-from gradkit.per_example import track
+from gradkit.per_example import _fused, track
 from gradkit.testing import assert_close
 
 from ._grads_check import same_grads
@@ -568,16 +568,148 @@ def test_tied_embedding_norms_by_the_cross_term(reduction: str) -> None:
     compare(tracked(case, model, (idx, y), [2, 3], reduction), ref, rtol=1e-10, atol=1e-12)
 
 
-def test_sequence_linear_weight_gradient_is_summed_from_the_statistics() -> None:
-    """fuse=True: the layer's output goes through LinearWithSums (no second product)."""
+def test_sequence_linear_weight_gradient_is_summed_from_the_statistics(monkeypatch) -> None:
+    """fuse=True: the layer's output goes through LinearWithSums (no second product), where
+    that product is large enough to pay for it."""
     model = nn.Linear(8, 3).double()
     x = torch.randn(4, 5, 8, dtype=D)
+    with track(model, "variance"):  # 480 multiply-adds: not worth a custom function
+        assert type(model(x).grad_fn).__name__ != "LinearWithSumsBackward"
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 4 * 5 * 8 * 3)
     with track(model, "variance"):
         assert type(model(x).grad_fn).__name__ == "LinearWithSumsBackward"
     with track(model, "variance", fuse=False):
         assert type(model(x).grad_fn).__name__ != "LinearWithSumsBackward"
     with track(model, "batch_l2"):  # Gram-form norms materialize nothing: autograd's product
         assert type(model(x).grad_fn).__name__ != "LinearWithSumsBackward"
+
+
+def _conv_net(**conv: Any) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 4, 3, **conv), nn.Tanh(), nn.Conv2d(4, 3, 3)).double()
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [{}, {"padding": 1, "stride": 2}, {"padding": "same", "dilation": 2}, {"groups": 2}],
+    ids=["plain", "padded_strided", "same_dilated", "grouped"],
+)
+@pytest.mark.parametrize("quantity", ["variance", "batch_grad"])
+def test_convolution_gradients_are_summed_from_the_statistics(monkeypatch, conv, quantity):
+    """A convolution's weight and bias gradients come from the per-example blocks the
+    statistics materialize (ConvWithSums, no weight product in its backward): the statistics
+    are the loop's, p.grad autograd's to float rounding."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+    torch.manual_seed(0)
+    model = _conv_net(**conv)
+    x = torch.randn(5, 2, 9, 9, dtype=D)
+    y = torch.randn_like(model(x))
+    loss = lambda o, t: (o - t).square().sum()
+    loss(model(x), y).backward()
+    plain = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    with track(model, quantity, loss_reduction="sum") as stats:
+        out = model(x)
+        assert type(model[0](x).grad_fn).__name__ == "ConvWithSumsBackward"
+        loss(out, y).backward()
+    ref = gradkit.testing.per_example_grads(model, loss, x, y)
+    for name, g in ref.items():
+        got = stats[name].batch_grad if quantity == "batch_grad" else stats[name].variance
+        want = g if quantity == "batch_grad" else g.var(0, unbiased=False)
+        assert_close(got, want, rtol=1e-10, atol=1e-12, name=name)
+    assert same_grads({k: p.grad for k, p in model.named_parameters()}, plain) == []
+
+
+@pytest.mark.parametrize(
+    "conv,why",
+    [
+        ({"padding_mode": "reflect", "padding": 1}, "padding other than zeros"),
+        ({"padding": "same", "dilation": 1, "kernel_size": 2}, "asymmetric 'same' padding"),
+    ],
+)
+def test_convolutions_not_fused_keep_autograd(monkeypatch, conv, why):
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+    k = conv.pop("kernel_size", 3)
+    model = nn.Conv2d(2, 4, k, **conv).double()
+    with track(model, "variance"):
+        assert type(model(torch.randn(3, 2, 6, 6, dtype=D)).grad_fn).__name__ != (
+            "ConvWithSumsBackward"
+        ), why
+
+
+def test_small_convolutions_keep_autograd_by_default():
+    """Under MIN_PRODUCT multiply-adds a custom function costs more than it saves."""
+    model = _conv_net()
+    with track(model, "variance"):
+        assert type(model[0](torch.randn(3, 2, 9, 9, dtype=D)).grad_fn).__name__ != (
+            "ConvWithSumsBackward"
+        )
+
+
+def test_double_backward_through_a_fused_convolution(monkeypatch) -> None:
+    """A gradient penalty (create_graph) through a fused convolution: its weight gradient is
+    multiplied (differentiable), and the second derivative is autograd's."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+    torch.manual_seed(0)
+    model = _conv_net(padding=1)
+    x = torch.randn(3, 2, 7, 7, dtype=D)
+
+    def penalty() -> torch.Tensor:
+        out = model(x).square().sum()
+        (gw,) = torch.autograd.grad(out, [model[0].weight], create_graph=True)
+        return gw.square().sum()
+
+    want = torch.autograd.grad(penalty(), [model[2].weight, model[0].bias])
+    with track(model, "variance"):
+        got = torch.autograd.grad(penalty(), [model[2].weight, model[0].bias])
+    assert_close(list(got), list(want), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("quantity", ["mean", "variance", "batch_l2"])
+def test_sequence_linear_then_an_in_place_activation_is_exact(monkeypatch, fuse, quantity):
+    """A Linear on [N, T, d] returns a view of its [N * T, o] product; relu_ on that view takes
+    the view's node out of the graph (its hooks never fire): the tracker reads the gradient at
+    the base. It used to be missed (refused, or zero without the outside-use check)."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)).double()
+    x, y = torch.randn(4, 5, 8, dtype=D), torch.randn(4, 5, 8, dtype=D)
+    loss = lambda o, t: (o - t).square().sum()
+    with track(model, quantity, loss_reduction="sum", fuse=fuse) as stats:
+        loss(model(x), y).backward()
+    ref = gradkit.testing.per_example_grads(model, loss, x, y)
+    if quantity == "batch_l2":
+        want = sum(g.flatten(1).square().sum(1) for g in ref.values())
+        assert_close(stats.batch_l2(), want, rtol=1e-10, atol=1e-12)
+    for name, g in ref.items():
+        want = g.mean(0) if quantity == "mean" else g.var(0, unbiased=False)
+        if quantity != "batch_l2":
+            assert_close(getattr(stats[name], quantity), want, rtol=1e-10, atol=1e-12)
+
+
+class _FirstColumns(nn.Module):
+    """Returns a view of part of its product (no rule: the vmap fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4, dtype=D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight)[:, :2]
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["alone", "before_a_linear"])
+def test_an_in_place_operation_on_a_partial_view_output_is_refused(head):
+    """The view's gradient cannot be read once relu_ took its node out of the graph: refused,
+    rather than zero per-example gradients; before any gradient where the pass reaches another
+    tracked layer first, else at the view's base."""
+    layers = [_FirstColumns(), nn.ReLU(inplace=True)] + ([nn.Linear(2, 2).double()] * head)
+    model = nn.Sequential(*layers)
+    with track(model, "variance"):
+        out = model(torch.randn(5, 3, dtype=D))
+        with pytest.raises(GradkitError, match="modified in place"):
+            out.sum().backward()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_double_backward_through_a_fused_layer() -> None:

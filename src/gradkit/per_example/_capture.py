@@ -34,6 +34,8 @@ __all__ = [
     "UseRecord",
     "check_pass",
     "check_still_trainable",
+    "hidden_view_error",
+    "hook_target",
     "in_backward",
     "model_call",
     "refuse_batchnorm",
@@ -53,6 +55,9 @@ class UseRecord:
     label: str = ""  # "name (Class)" of the module
     nodes: list[Node] = field(default_factory=list)  # the graph nodes of its outputs
     checked: tuple[int, ...] = ()  # ids of its parameters whose other uses are refused
+    base: Node | None = None  # the base's node of an output that is a view of part of it
+    arrivals: int = 0  # output gradients received (backward passes through this call)
+    base_visits: int = 0  # of those, gradients of the base of a partial view (hook_target)
 
     def release_graph(self) -> None:
         """Drop the references to graph nodes once this backward has read them. The record
@@ -62,6 +67,7 @@ class UseRecord:
         from the rule's output instead of the edges."""
         self.mean.release()
         self.nodes = []
+        self.base = None
         self.call.output = None  # an expanded output holds the hook that holds this record
         self.sums = None
 
@@ -81,7 +87,7 @@ class ModuleState:
     params: dict[str, torch.Tensor]  # local name -> parameter
     pids: dict[str, int]  # local name -> id(parameter)
     batch_dim: int  # of its inputs and outputs (see inner_batch_dims)
-    transposed: bool | None = None  # a weight whose gradient LinearWithSums may sum (layout)
+    fusion: str | None = None  # how its weight gradient may be summed (see _fused)
     shared: bool = False  # a parameter of it is also another tracked module's
     checked: tuple[int, ...] = ()  # ids of its parameters whose uses outside it are refused
     forward_count: int = 0
@@ -110,6 +116,12 @@ def check_pass(
                 live.append(r)
         except RuntimeError:
             pass
+    seen = {id(r) for r in live}
+    hidden = [
+        r for r in records if r.base is not None and id(r) not in seen and will_execute(r.base)
+    ]
+    if hidden:
+        raise hidden_view_error([r.label for r in hidden])
     mismatched = [r for r in live if r.call.mode == "mismatch"]
     if mismatched:
         raise mismatch_error([f"{r.label} {r.call.problem}" for r in mismatched])
@@ -123,7 +135,6 @@ def check_pass(
     # the calls this pass differentiates: the engine does not list a root's own node as one it
     # will execute (autograd.grad(out, ...) with out a layer's output)
     tops = {t.grad_fn for t in roots}
-    seen = {id(r) for r in live}
     counted = live + [r for r in records if id(r) not in seen and any(n in tops for n in r.nodes)]
     expected = dict.fromkeys(checked, 0)  # a layer not called in this pass: no use at all
     for r in counted:
@@ -134,6 +145,43 @@ def check_pass(
         expected,
         checked,
         {nd for r in counted for nd in r.nodes},
+    )
+
+
+def hook_target(output: torch.Tensor) -> tuple[torch.Tensor, Node | None]:
+    """The tensor whose hook gives the gradient w.r.t. a call's ``output``, and the node of the
+    base of an ``output`` that is a view of part of a tensor (else None).
+
+    An in-place operation on a view (``relu_`` after a Linear on ``[N, T, d]``, which returns
+    its ``[N * T, o]`` product viewed) takes the view's node out of the graph, and the view's
+    hooks never fire; its base's node stays in the graph. A view of the whole of its base is
+    therefore hooked through the base (same numbers, reshaped). A view of part of it cannot
+    be: :func:`check_pass` refuses a pass that reaches its base but not its node, and where the
+    pass starts at no other tracked layer, the tracker refuses it at that base."""
+    base = output._base if output._is_view() else None
+    if base is None or base.grad_fn is None:
+        return output, None
+    whole = (
+        base.numel() == output.numel()
+        and output.is_contiguous()
+        and base.is_contiguous()
+        and output.storage_offset() == base.storage_offset()
+    )
+    return (base, None) if whole else (output, base.grad_fn)
+
+
+def hidden_view_error(labels: list[str]) -> GradkitError:
+    """The error for calls whose output, a view of part of a tensor, was modified in place
+    (see :func:`hook_target`)."""
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "model",
+            "tracked layers whose outputs reach the loss as they are",
+            ", ".join(labels) + ": an output that is a view of part of a larger tensor, "
+            "modified in place afterwards (its gradient can no longer be read)",
+            "make the operation that follows the layer out-of-place (e.g. nn.ReLU(inplace=False))",
+        )
     )
 
 
@@ -211,10 +259,10 @@ def tracked_modules(
                 )
             rule = vmap_rule
         pids = {n: id(p) for n, p in own.items()}
-        transposed = getattr(rule, "weight_layout_transposed", None)
-        if own.get("weight") is not getattr(module, "weight", None):
-            transposed = None  # a parametrized weight: autograd's own product
-        states.append(ModuleState(name, module, rule, own, pids, dims[name], transposed))
+        fusion = getattr(rule, "weight_sums", None)
+        if "weight" not in own or own["weight"] is not getattr(module, "weight", None):
+            fusion = None  # a frozen or parametrized weight: autograd's own product
+        states.append(ModuleState(name, module, rule, own, pids, dims[name], fusion))
         for pid in pids.values():
             owners[pid] = owners.get(pid, 0) + 1
     unchecked = {pid for st in states if not checked_module(st.module) for pid in st.pids.values()}

@@ -33,9 +33,14 @@ class TrackerResults(Mapping[str, ParamStats]):
     _unbackwarded: int  # model calls since the last backward pass
     _merged: bool  # all_reduce was called
 
+    def _check_complete(self, call: str) -> None:
+        """Refuse to go on after a backward pass that ended part-way (see the tracker)."""
+
     def _readable(self, call: str) -> None:
         """Refuse to read statistics inside the block while a model call waits for its
-        backward pass: they would silently leave its examples out."""
+        backward pass: they would silently leave its examples out. Refuse them too after a
+        backward pass that raised part-way (:meth:`_check_complete`)."""
+        self._check_complete(call)
         if self._active and self._unbackwarded:
             raise GradkitError(
                 message(
@@ -80,6 +85,7 @@ class TrackerResults(Mapping[str, ParamStats]):
     def num_examples(self) -> int:
         """Examples seen: the same for every parameter (one the loss of a backward pass did not
         reach counts that pass's examples, with gradient 0)."""
+        self._check_complete("stats.num_examples")
         counts = {acc.n for acc in self._accs.values()}
         return max(counts) if counts else 0
 
@@ -103,6 +109,7 @@ class TrackerResults(Mapping[str, ParamStats]):
         Sums are all-reduced; ``batch_l2`` and ``batch_grad`` are gathered in rank order.
         Every rank must call it, with the same tracked parameters and quantities.
         """
+        self._check_complete("stats.all_reduce(group)")
         if self._merged:
             raise GradkitError(
                 message(

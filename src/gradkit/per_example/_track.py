@@ -66,11 +66,13 @@ def track(
         max_memory: bytes a materialized block of per-example gradients may take (> 0).
         chunk_size: examples per materialized block (> 0; overrides ``max_memory``).
         fuse: where a quantity needs the per-example gradients of a Linear (or Hugging Face
-            ``Conv1D``) on sequences anyway (variance, second moment, moments, batch_grad),
-            take that weight's gradient as their sum instead of multiplying again (about
-            one product per such layer saved). ``p.grad`` of those weights then equals an
-            untracked backward's up to float rounding (a sum over examples instead of one
-            product); ``fuse=False`` keeps every ``p.grad`` bit-for-bit.
+            ``Conv1D``) on sequences or of a convolution anyway (variance, second moment,
+            moments, batch_grad), take that weight's gradient as their sum instead of
+            multiplying again (one product per such layer saved; layers whose product is
+            under two million multiply-adds keep autograd's, cheaper there). ``p.grad`` of
+            those weights (and of those convolutions' biases) then equals an untracked
+            backward's up to float rounding (a sum over examples instead of one product);
+            ``fuse=False`` keeps every ``p.grad`` bit-for-bit.
 
     Returns:
         A :class:`Tracker`; ``stats[name]`` gives :class:`ParamStats`.

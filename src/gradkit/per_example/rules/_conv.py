@@ -226,3 +226,6 @@ def conv_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
         sums = [g.reshape(n, module.out_channels, -1).sum(-1) for _, g in pairs]
         out["bias"] = Materialized(torch.stack(sums).sum(0) if len(sums) > 1 else sums[0])
     return out
+
+
+conv_rule.weight_sums = "conv"  # type: ignore[attr-defined]  # see _fused

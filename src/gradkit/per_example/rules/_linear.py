@@ -52,5 +52,5 @@ def linear_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     return affine_rule(uses, ctx, transposed=False)
 
 
-linear_rule.weight_layout_transposed = False  # type: ignore[attr-defined]  # see _fused
+linear_rule.weight_sums = "linear"  # type: ignore[attr-defined]  # see _fused
 linear_rule.leading_dims = True  # type: ignore[attr-defined]  # any leading dimensions

@@ -89,7 +89,7 @@ def conv1d_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[st
     return affine_rule(uses, ctx, transposed=True)
 
 
-conv1d_rule.weight_layout_transposed = True  # type: ignore[attr-defined]  # see _fused
+conv1d_rule.weight_sums = "linear_t"  # type: ignore[attr-defined]  # see _fused
 conv1d_rule.leading_dims = True  # type: ignore[attr-defined]  # any leading dimensions
 
 
