@@ -37,7 +37,7 @@ from torch import nn
 
 import gradkit
 from gradkit import GradkitError
-from gradkit.per_example import find_rule, track
+from gradkit.per_example import _fused, find_rule, track
 from gradkit.per_example.rules._thirdparty import (
     conv1d_rule,
     learned_positions_rule,
@@ -50,6 +50,15 @@ from ._grads_check import same_grads
 transformers = pytest.importorskip("transformers")
 
 D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These configs are small: fuse every layer call that can be (its weight gradient summed
+    from the per-example gradients), the path real-sized models take."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+
+
 V, T, N_MAX = 30, 7, 6
 LENGTHS = (7, 4, 6, 2, 7, 5)  # real tokens per example; the rest is padding
 QUANTITIES = ("mean", "second_moment", "variance", "batch_l2", "batch_grad")

@@ -16,11 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradkit.per_example import track
+from gradkit.per_example import _fused, track
 
 transformers = pytest.importorskip("transformers")
 
 D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These configs are small: fuse every layer call that can be (its weight gradient summed
+    from the per-example gradients), the path real-sized models take."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+
+
 V, T, N = 40, 6, 3
 
 
