@@ -739,3 +739,61 @@ def test_a_pass_that_raised_before_reaching_any_layer_leaves_the_statistics_exac
     for name, g in ref.items():
         assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
         assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)
+
+
+# -- passes that differentiate not every tracked parameter ---------------------------------------
+
+
+def test_a_gradient_wrt_the_input_alone_is_left_out():
+    """Adversarial training inside the block: the input's gradient (no parameter's) does not
+    count; the statistics are those of the adversarial loss alone, as p.grad is. It used to
+    add the clean loss's examples too (2N examples, a mean off p.grad / N)."""
+    model, x = _two_layers()
+    y = torch.randn(5, 2, dtype=D)
+    loss = lambda o, t: (o - t).square().sum()
+    with track(model, *QUANTITIES, moments=(3,), loss_reduction="sum") as stats:
+        x_in = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(loss(model(x_in), y), [x_in])
+        x_adv = (x + 0.1 * gx.sign()).detach()
+        loss(model(x_adv), y).backward()
+    ref = per_example_grads(model, loss, x_adv, y)
+    assert stats.num_examples == 5
+    check_all(stats, ref)
+    for name, p in model.named_parameters():
+        assert_close(stats[name].mean * 5, p.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["autograd_grad", "backward_inputs"])
+def test_a_pass_counts_for_the_parameters_whose_gradient_it_computes(how):
+    """A pass w.r.t. the last weight only: that weight's statistics count it, the others' do
+    not. The others used to get zero gradients for its examples (since the outside-use check:
+    a refusal with a misleading message)."""
+    model, x = _two_layers()
+    x2 = torch.randn(3, 3, dtype=D)
+    with track(model, "variance", "batch_grad", "batch_l2", loss_reduction="sum") as stats:
+        loss = cubic(model(x)).sum()
+        if how == "autograd_grad":
+            torch.autograd.grad(loss, [model[2].weight])
+        else:
+            loss.backward(inputs=[model[2].weight])
+        cubic(model(x2)).sum().backward()
+    first = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None)
+    second = per_example_grads(model, lambda o, _: cubic(o).sum(), x2, None)
+    for name in first:
+        both = name == "2.weight"
+        g = torch.cat([first[name], second[name]]) if both else second[name]
+        assert stats[name].num_examples == (8 if both else 3)
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)
+    with pytest.raises(GradkitError, match="different numbers"):
+        stats.batch_l2()  # the total over parameters needs the same examples for each
+
+
+def test_autograd_grad_wrt_every_parameter_counts():
+    model, x = _two_layers()
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        grads = torch.autograd.grad(cubic(model(x)).sum(), list(model.parameters()))
+    ref = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None)
+    for (name, g), total in zip(ref.items(), grads, strict=True):
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+        assert_close(total, g.sum(0), rtol=1e-10, atol=1e-12)

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import Node
+from torch.autograd.graph import Node, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 
+from gradkit._autograd import edges_into
 from gradkit._errors import GradkitError, message
 from gradkit.per_example._batch import Call, Dims, ModelCall, disagree_error, mismatch_error
 from gradkit.per_example._edge_mean import EdgeMean, will_execute
@@ -102,13 +103,26 @@ def check_pass(
     records: Sequence[UseRecord],
     loss_reduction: str | None,
     checked: Mapping[int, str],
-) -> None:
-    """Refuse a backward pass that would give wrong statistics: one that differentiates a
-    layer split into another number of examples, or layers that disagree on ``N``, or a loss
-    that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum of per-example
-    shares), or a parameter of ``checked`` (``id -> name``) used outside its layer's calls (see
-    :mod:`._outside`). Called at the pass's first tracked output, before the gradient reaches
-    any tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
+    params: Mapping[int, torch.Tensor],
+) -> frozenset[int] | None:
+    """The tracked parameters (``params``: ``id -> parameter``) whose gradient a backward pass
+    leaves out although its graph reaches them, or None when it computes none of theirs.
+
+    Each parameter's statistics count the passes that compute its gradient, as ``p.grad`` and
+    ``torch.autograd.grad`` do: a gradient w.r.t. the input alone (adversarial training) is
+    left out of every statistic, one w.r.t. some parameters (``torch.autograd.grad(loss,
+    [some])``, ``backward(inputs=...)``) out of the others'. Refused: a pass that
+    differentiates a layer split into another number of examples, layers that disagree on
+    ``N``, a loss that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum
+    of per-example shares), a parameter of ``checked`` (``id -> name``) used outside its
+    layer's calls (see :mod:`._outside`). Called at the pass's first tracked output, before
+    the gradient reaches any tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
+    roots = backward_roots()
+    nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
+    found = edges_into(nodes, params)
+    left_out = frozenset(pid for pid in found if not _differentiates(params[pid]))
+    if found and len(left_out) == len(found):
+        return None
     live: list[UseRecord] = []
     for r in records:
         try:
@@ -129,23 +143,30 @@ def check_pass(
     if len({k for _, k in sizes}) > 1:
         raise disagree_error(sizes)
     n = sizes[0][1] if sizes else None
-    roots = backward_roots()
     if loss_reduction is not None:
         check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes}, roots)
     # the calls this pass differentiates: the engine does not list a root's own node as one it
     # will execute (autograd.grad(out, ...) with out a layer's output)
     tops = {t.grad_fn for t in roots}
     counted = live + [r for r in records if id(r) not in seen and any(n in tops for n in r.nodes)]
-    expected = dict.fromkeys(checked, 0)  # a layer not called in this pass: no use at all
+    # a layer not called in this pass: no use at all; a parameter left out: not checked
+    expected = {pid: 0 for pid in checked if pid not in left_out}
     for r in counted:
         for pid in r.checked:
-            expected[pid] += 1
-    check_outside_uses(
-        [t.grad_fn for t in roots if t.grad_fn is not None],
-        expected,
-        checked,
-        {nd for r in counted for nd in r.nodes},
-    )
+            if pid in expected:
+                expected[pid] += 1
+    check_outside_uses(nodes, expected, checked, {nd for r in counted for nd in r.nodes}, found)
+    return left_out
+
+
+def _differentiates(param: torch.Tensor) -> bool:
+    """Whether the running backward pass computes ``param``'s gradient: its accumulator runs
+    (``.backward()``), or it is an input of ``torch.autograd.grad``, where the engine refuses
+    the query for a leaf it captures."""
+    try:
+        return will_execute(get_gradient_edge(param).node)
+    except RuntimeError:
+        return True
 
 
 def hook_target(output: torch.Tensor) -> tuple[torch.Tensor, Node | None]:

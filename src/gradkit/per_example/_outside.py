@@ -22,7 +22,6 @@ from typing import Any
 from torch import nn
 from torch.autograd.graph import Node
 
-from gradkit._autograd import edges_into
 from gradkit._errors import GradkitError, message
 
 __all__ = ["CHECKED", "check_outside_uses", "checked_module"]
@@ -106,14 +105,15 @@ def check_outside_uses(
     expected: Mapping[int, int],
     names: Mapping[int, str],
     calls: set[Node],
+    found: Mapping[int, list[Node]],
 ) -> None:
     """Raise when a checked parameter (``expected``: ``id -> calls of its layers in this
     pass``) has more graph edges on the examples than calls (see the module docstring);
-    ``roots``: the pass's root nodes, ``calls``: the tracked calls' output nodes."""
+    ``roots``: the pass's root nodes, ``calls``: the tracked calls' output nodes, ``found``:
+    :func:`gradkit._autograd.edges_into` of the roots (any superset of ``names``' ids)."""
     if not expected or not roots:
         return
-    found = edges_into(roots, names)
-    over = [pid for pid, nodes in found.items() if len(nodes) > expected.get(pid, 0)]
+    over = [pid for pid, calls_of in expected.items() if len(found.get(pid, ())) > calls_of]
     if not over:
         return
     parents, depends = _maps(roots, calls)

@@ -83,8 +83,10 @@ class TrackerResults(Mapping[str, ParamStats]):
 
     @property
     def num_examples(self) -> int:
-        """Examples seen: the same for every parameter (one the loss of a backward pass did not
-        reach counts that pass's examples, with gradient 0)."""
+        """Examples seen, the most of any parameter: the same for every parameter unless a
+        backward pass computed the gradients of some only (``torch.autograd.grad(loss,
+        [some])``; ``stats[name].num_examples`` gives each). One the loss of a backward pass
+        did not reach counts that pass's examples, with gradient 0."""
         self._check_complete("stats.num_examples")
         counts = {acc.n for acc in self._accs.values()}
         return max(counts) if counts else 0

@@ -199,11 +199,14 @@ class Tracker(TrackerResults):
         dims = inner_batch_dims(modules, batch_dim, given_dims)
         self._states = tracked_modules(modules, dims, fallback, call)
         self._checked = {pid: self._names[pid] for st in self._states for pid in st.checked}
+        # parameters the pass under way leaves out; None: all of them (see _start_backward)
+        self._left_out: frozenset[int] | None = frozenset()
         for st in self._states:
             for pid in st.pids.values():
                 param = self._params[pid]
                 dtype = statistics_dtype(param.dtype)
                 self._accs.setdefault(pid, PowerSums(param.shape, dtype, owner=param))
+        self._tracked = {pid: self._params[pid] for pid in self._accs}
         if not self._accs:
             total = len(self._params)
             raise ValueError(
@@ -469,7 +472,7 @@ class Tracker(TrackerResults):
 
     def _edge_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
         def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> None:
-            if not self._active:
+            if not self._active or self._left_out is None:
                 return
             scale = self._scale(record.call.n)
             for k, pid in ks:
@@ -487,7 +490,8 @@ class Tracker(TrackerResults):
         if not self._active:
             return
         record.arrivals += 1
-        self._start_backward()
+        if not self._start_backward():
+            return
         call = record.call
         if call.mode == "mismatch" and any(g is not None for g in grads):
             raise mismatch_error([f"{record.label} {call.problem}"])
@@ -522,15 +526,16 @@ class Tracker(TrackerResults):
 
     # -- checks at the start of a backward pass, before any gradient is accumulated -------------
 
-    def _start_backward(self) -> None:
+    def _start_backward(self) -> bool:
         """Once per backward pass, at the first tracked output it reaches (before the gradient
         reaches any tracked parameter, so a refused pass leaves every ``p.grad`` as it was):
-        refuse what would give wrong statistics."""
+        refuse what would give wrong statistics. Returns whether the pass counts (False: it
+        computes no tracked parameter's gradient, see :func:`._capture.check_pass`)."""
         self._check_complete("per_example.track(model, ...)")
         task_id = getattr(torch._C, "_current_graph_task_id", None)
         task = int(task_id()) if task_id is not None else None
         if task is not None and task == self._task:
-            return
+            return self._left_out is not None
         self._task = task
         if self._merged:
             raise GradkitError(
@@ -542,9 +547,13 @@ class Tracker(TrackerResults):
                     "start a new track block for the next step",
                 )
             )
-        check_pass(
-            self._records, self._loss_reduction if self.verify_reduction else None, self._checked
+        self._left_out = check_pass(
+            self._records,
+            self._loss_reduction if self.verify_reduction else None,
+            self._checked,
+            self._tracked,
         )
+        return self._left_out is not None
 
     # -- processing ----------------------------------------------------------------------------
 
@@ -575,8 +584,13 @@ class Tracker(TrackerResults):
         record = pending[0][0]
         if len(pending) == 1 and record.sums is not None and "weight" in pes:
             pes["weight"].on_block = record.sums.add  # the layer's backward sums them
+        left_out = self._left_out or frozenset()
         for local, p in st.params.items():
             pid = st.pids[local]
+            if pid in left_out:  # this pass does not compute its gradient
+                for r, _ in pending:
+                    r.mean.settle(pid, False)
+                continue
             pe = pes.get(local)
             if pe is None or pe.num_examples != n or tuple(pe.shape) != tuple(p.shape):
                 got = "nothing" if pe is None else f"{pe.num_examples} x {tuple(pe.shape)}"
@@ -672,8 +686,9 @@ class Tracker(TrackerResults):
             given = all(g for _, g, _ in parts)
             self._add(pid, pe, given, parts[0][2])
         n = next(iter(sizes.values()), 0)
+        left_out = self._left_out or frozenset()
         for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
-            if pid not in reached:
+            if pid not in reached and pid not in left_out:
                 acc.add_zeros(n, self._want)
 
     # -- results -------------------------------------------------------------------------------
