@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import Node
 from torch.nn.utils.rnn import PackedSequence
 
 from gradkit._autograd import edges_into
@@ -120,7 +120,7 @@ def check_pass(
     roots = backward_roots()
     nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
     found = edges_into(nodes, params)
-    left_out = frozenset(pid for pid in found if not _differentiates(params[pid]))
+    left_out = frozenset(pid for pid, into in found.items() if not _differentiates(into[0], pid))
     if found and len(left_out) == len(found):
         return None
     live: list[UseRecord] = []
@@ -159,12 +159,14 @@ def check_pass(
     return left_out
 
 
-def _differentiates(param: torch.Tensor) -> bool:
-    """Whether the running backward pass computes ``param``'s gradient: its accumulator runs
-    (``.backward()``), or it is an input of ``torch.autograd.grad``, where the engine refuses
-    the query for a leaf it captures."""
+def _differentiates(node: Node, pid: int) -> bool:
+    """Whether the running backward pass computes the gradient of the parameter ``pid`` (an
+    input of ``node``): its accumulator runs (``.backward()``), or it is an input of
+    ``torch.autograd.grad``, where the engine refuses the query for a leaf it captures."""
+    acc = next(n for n, _ in node.next_functions if id(getattr(n, "variable", None)) == pid)
+    assert acc is not None
     try:
-        return will_execute(get_gradient_edge(param).node)
+        return will_execute(acc)
     except RuntimeError:
         return True
 
