@@ -763,6 +763,23 @@ def test_a_gradient_wrt_the_input_alone_is_left_out():
         assert_close(stats[name].mean * 5, p.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_an_input_gradient_then_the_full_backward_of_the_same_graph():
+    """The input's gradient with retain_graph=True, then loss.backward() on the same graph:
+    the first adds nothing, the second counts (nothing of the first is kept)."""
+    model, x = _two_layers()
+    x = x.requires_grad_(True)
+    loss = lambda o: cubic(o).sum()
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        total = loss(model(x))
+        torch.autograd.grad(total, [x], retain_graph=True)
+        total.backward()
+        assert not stats._records  # no use is kept for a later pass
+    ref = per_example_grads(model, lambda o, _: loss(o), x.detach(), None)
+    assert stats.num_examples == 5
+    for name, g in ref.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("how", ["autograd_grad", "backward_inputs"])
 def test_a_pass_counts_for_the_parameters_whose_gradient_it_computes(how):
     """A pass w.r.t. the last weight only: that weight's statistics count it, the others' do

@@ -104,9 +104,9 @@ def check_pass(
     loss_reduction: str | None,
     checked: Mapping[int, str],
     params: Mapping[int, torch.Tensor],
-) -> frozenset[int] | None:
+) -> frozenset[int]:
     """The tracked parameters (``params``: ``id -> parameter``) whose gradient a backward pass
-    leaves out although its graph reaches them, or None when it computes none of theirs.
+    leaves out although its graph reaches them (all of them: the pass adds no statistic).
 
     Each parameter's statistics count the passes that compute its gradient, as ``p.grad`` and
     ``torch.autograd.grad`` do: a gradient w.r.t. the input alone (adversarial training) is
@@ -121,8 +121,6 @@ def check_pass(
     nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
     found = edges_into(nodes, params)
     left_out = frozenset(pid for pid, into in found.items() if not _differentiates(into[0], pid))
-    if found and len(left_out) == len(found):
-        return None
     live: list[UseRecord] = []
     for r in records:
         try:

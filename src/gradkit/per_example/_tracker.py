@@ -199,8 +199,7 @@ class Tracker(TrackerResults):
         dims = inner_batch_dims(modules, batch_dim, given_dims)
         self._states = tracked_modules(modules, dims, fallback, call)
         self._checked = {pid: self._names[pid] for st in self._states for pid in st.checked}
-        # parameters the pass under way leaves out; None: all of them (see _start_backward)
-        self._left_out: frozenset[int] | None = frozenset()
+        self._left_out: frozenset[int] = frozenset()  # by the pass under way (_start_backward)
         for st in self._states:
             for pid in st.pids.values():
                 param = self._params[pid]
@@ -472,12 +471,12 @@ class Tracker(TrackerResults):
 
     def _edge_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
         def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> None:
-            if not self._active or self._left_out is None:
+            if not self._active:
                 return
             scale = self._scale(record.call.n)
             for k, pid in ks:
                 g = grad_inputs[k]
-                if g is not None:
+                if g is not None and pid not in self._left_out:
                     now = record.mean.on_edge(pid, g, scale)
                     if now is not None:
                         self._accs[pid].add_sum(1, now, alpha=scale)
@@ -490,8 +489,7 @@ class Tracker(TrackerResults):
         if not self._active:
             return
         record.arrivals += 1
-        if not self._start_backward():
-            return
+        self._start_backward()
         call = record.call
         if call.mode == "mismatch" and any(g is not None for g in grads):
             raise mismatch_error([f"{record.label} {call.problem}"])
@@ -526,16 +524,16 @@ class Tracker(TrackerResults):
 
     # -- checks at the start of a backward pass, before any gradient is accumulated -------------
 
-    def _start_backward(self) -> bool:
+    def _start_backward(self) -> None:
         """Once per backward pass, at the first tracked output it reaches (before the gradient
         reaches any tracked parameter, so a refused pass leaves every ``p.grad`` as it was):
-        refuse what would give wrong statistics. Returns whether the pass counts (False: it
-        computes no tracked parameter's gradient, see :func:`._capture.check_pass`)."""
+        refuse what would give wrong statistics, and find the parameters whose gradient the
+        pass does not compute (:func:`._capture.check_pass`): it adds nothing to theirs."""
         self._check_complete("per_example.track(model, ...)")
         task_id = getattr(torch._C, "_current_graph_task_id", None)
         task = int(task_id()) if task_id is not None else None
         if task is not None and task == self._task:
-            return self._left_out is not None
+            return
         self._task = task
         if self._merged:
             raise GradkitError(
@@ -553,7 +551,6 @@ class Tracker(TrackerResults):
             self._checked,
             self._tracked,
         )
-        return self._left_out is not None
 
     # -- processing ----------------------------------------------------------------------------
 
@@ -584,7 +581,7 @@ class Tracker(TrackerResults):
         record = pending[0][0]
         if len(pending) == 1 and record.sums is not None and "weight" in pes:
             pes["weight"].on_block = record.sums.add  # the layer's backward sums them
-        left_out = self._left_out or frozenset()
+        left_out = self._left_out
         for local, p in st.params.items():
             pid = st.pids[local]
             if pid in left_out:  # this pass does not compute its gradient
@@ -686,7 +683,7 @@ class Tracker(TrackerResults):
             given = all(g for _, g, _ in parts)
             self._add(pid, pe, given, parts[0][2])
         n = next(iter(sizes.values()), 0)
-        left_out = self._left_out or frozenset()
+        left_out = self._left_out
         for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
             if pid not in reached and pid not in left_out:
                 acc.add_zeros(n, self._want)
