@@ -712,12 +712,15 @@ def test_an_in_place_operation_on_a_partial_view_output_is_refused(head):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_double_backward_through_a_fused_layer() -> None:
+def test_double_backward_through_a_fused_layer(monkeypatch) -> None:
     """A gradient penalty (create_graph) through a tracked sequence Linear: the weight's
     gradient is multiplied (differentiable), and the second derivative is autograd's."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
     x = torch.randn(3, 5, 8, dtype=D)
+    with track(model, "variance"):
+        assert type(model(x).grad_fn).__name__ == "LinearWithSumsBackward"
 
     def penalty() -> torch.Tensor:
         out = model(x).sum()
@@ -762,18 +765,25 @@ def test_activation_checkpointing(reentrant: bool) -> None:
     compare(stats, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_fused_layers_under_bf16_autocast() -> None:
+@pytest.mark.parametrize("layers", ["linear", "conv"])
+def test_fused_layers_under_bf16_autocast(monkeypatch, layers) -> None:
     """Under autocast the layer runs in bf16 with a float32 weight: the fused backward returns
     each gradient in its input's dtype, the weight's summed in float32."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    x = torch.randn(4, 5, 8)
+    if layers == "linear":
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        x = torch.randn(4, 5, 8)
+    else:
+        model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+        x = torch.randn(4, 2, 8, 8)
     results = {}
     for fuse in (False, True):
         model.zero_grad()
         with track(model, "variance", fuse=fuse) as stats:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = model(x)
+                assert ("WithSums" in type(model[0](x).grad_fn).__name__) == fuse
             out.float().pow(2).sum().backward()
         results[fuse] = (
             {k: p.grad.clone() for k, p in model.named_parameters()},
@@ -782,7 +792,7 @@ def test_fused_layers_under_bf16_autocast() -> None:
     (grads0, var0), (grads1, var1) = results[False], results[True]
     for k in grads0:
         assert grads1[k].dtype == grads0[k].dtype == torch.float32
-        if not k.endswith("weight"):
+        if layers == "linear" and not k.endswith("weight"):  # a convolution's bias is summed
             assert torch.equal(grads1[k], grads0[k]), k
         scale = grads0[k].abs().max()
         assert torch.allclose(grads1[k], grads0[k], rtol=2e-2, atol=2e-2 * scale), k
