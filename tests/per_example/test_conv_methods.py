@@ -54,9 +54,9 @@ def test_the_choice_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> 
     for method in ("_grouped", "_unfolded"):
         original = getattr(_conv.ConvWeightGrad, method)
 
-        def counted(self, start, stop, _original=original, _name=method):  # type: ignore[no-untyped-def]
+        def counted(self, start, stop, *scale, _original=original, _name=method):  # type: ignore[no-untyped-def]
             calls.append(_name)
-            return _original(self, start, stop)
+            return _original(self, start, stop, *scale)
 
         monkeypatch.setattr(_conv.ConvWeightGrad, method, counted)
     model = nn.Conv2d(2, 3, 3)

@@ -341,7 +341,7 @@ def split_call(
         if batch_first:  # rules: the examples in dimension 0, shared tensors as they are
             if mode == "unbatched":
                 t = t.unsqueeze(0).expand(n, *t.shape)
-            elif size == n and d is not None:
+            elif size == n and d:  # d > 0: move the examples to dimension 0
                 t = t.movedim(d, 0)
             elif size == 1 and d is not None:
                 t = _expand(t, d, n).movedim(d, 0)

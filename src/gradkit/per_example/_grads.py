@@ -90,7 +90,10 @@ class Materialized(PerExampleGrad):
         self.shape = grads.shape[1:]
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
-        yield from self.grads.split(size)
+        if size >= self.num_examples:  # one block: no split views
+            yield self.grads
+        else:
+            yield from self.grads.split(size)
 
     def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
         total = self.grads.pow(p).sum(0) if p != 1 else self.grads.sum(0)

@@ -165,6 +165,13 @@ def call_layout(
         return _bag(args, kwargs, output)
     if batch_dim != 0 and _channels_first(module, args):
         batch_dim = 0
+    if len(args) == 1 and not kwargs and type(output) is torch.Tensor:  # the usual call
+        x = args[0]
+        if type(x) is torch.Tensor:
+            return CallLayout(
+                [batch_dim if x.dim() > batch_dim else None],
+                [batch_dim if output.dim() > batch_dim else None],
+            )
     return CallLayout(_dims((args, kwargs), batch_dim), _dims(output, batch_dim))
 
 

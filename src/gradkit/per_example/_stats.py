@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -60,11 +61,11 @@ class Want:
     quantities: frozenset[str]
     moments: tuple[int, ...] = ()
 
-    @property
+    @cached_property
     def mean(self) -> bool:
         return bool({"mean", "variance"} & self.quantities) or 1 in self.moments
 
-    @property
+    @cached_property
     def powers(self) -> tuple[int, ...]:
         """Powers ``p >= 2`` whose sums are needed."""
         ps = {p for p in self.moments if p != 1}
@@ -229,9 +230,9 @@ def add_block(
             if pe.on_block is not None:
                 pe.on_block(block)
             g = as_dtype(block, acc.dtype)  # fresh blocks are scaled and squared in place
-            if g is block and not pe.owned:
-                g = g.clone()
-            if scale != 1.0 and not scaled:
+            if g is block and not pe.owned:  # a copy, scaled on the way where it must be
+                g = g * scale if scale != 1.0 and not scaled else g.clone()
+            elif scale != 1.0 and not scaled:
                 g.mul_(scale)
             if keep:
                 acc.grads.append(g)

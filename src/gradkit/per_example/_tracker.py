@@ -186,6 +186,10 @@ class Tracker(TrackerResults):
             chunk_size, call, "chunk_size", fix="pass e.g. chunk_size=64 (examples), or None"
         )
         self._fuse = fuse
+        # the statistics materialize per-example gradients a fused layer can sum (see _fusable)
+        self._materializes = fuse and bool(
+            self._want.powers or "batch_grad" in self._want.quantities
+        )
         self._batch_dim = batch_dim
         self._unbiased = unbiased
         self._max_memory = max_memory
@@ -453,18 +457,16 @@ class Tracker(TrackerResults):
         """Whether this call's weight gradient can be summed from the per-example gradients
         the statistics will materialize (a Linear on sequences, a convolution: see
         :mod:`._fused`)."""
-        if not self._fuse or st.fusion is None or st.shared or st.batch_dim != 0:
-            return False
-        if is_dtensor(st.module.weight):  # FSDP2: the forward used its own gathered weight
-            return False
-        if not (self._want.powers or "batch_grad" in self._want.quantities):
+        if not self._materializes or st.fusion is None or st.shared or st.batch_dim != 0:
             return False
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
             return False
         if not (output.requires_grad and torch.is_grad_enabled()):
             return False
-        return fusable_call(st.fusion, x, st.params["weight"], output)
+        weight = st.params["weight"]
+        # FSDP2: the forward used its own gathered weight
+        return fusable_call(st.fusion, x, weight, output) and not is_dtensor(weight)
 
     def _scale(self, n: int) -> float:
         return float(n) if self._loss_reduction == "mean" else 1.0

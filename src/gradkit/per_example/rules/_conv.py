@@ -73,6 +73,10 @@ def unfold_patches(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Te
     return x.reshape(n, c * x.shape[2 : 2 + spatial].numel(), -1)
 
 
+def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return t * scale if scale != 1.0 else t
+
+
 _METHODS = ("grouped", "unfold")
 _CHOICE: dict[tuple[Any, ...], str] = {}
 """The faster way to materialize per-example weight gradients, per convolution and block shape,
@@ -148,30 +152,33 @@ class ConvWeightGrad(PerExampleGrad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         self._padded = [F.pad(x, self._pads, mode=mode) if any(self._pads) else x for x, _ in uses]
 
-    def _block(self, start: int, stop: int) -> torch.Tensor:
+    def _block(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
         method = _choose(self, start, stop)
-        return self._grouped(start, stop) if method == "grouped" else self._unfolded(start, stop)
+        if method == "grouped":
+            return self._grouped(start, stop, scale)
+        return self._unfolded(start, stop, scale)
 
-    def _unfolded(self, start: int, stop: int) -> torch.Tensor:
-        """``sum_t G[n, t]^T A[n, t]`` per group by a batched product over unfolded patches."""
+    def _unfolded(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
+        """``sum_t G[n, t]^T A[n, t]`` per group by a batched product over unfolded patches
+        (``G`` times ``scale``)."""
         m, n = self.module, stop - start
         o = m.out_channels // m.groups
         total: torch.Tensor | None = None
         for x, g in self.uses:
             a = unfold_patches(x[start:stop], m)  # [n, C_in * K, L]
             a = a.reshape(n, m.groups, -1, a.shape[-1])  # [n, groups, i, L]
-            gs = g[start:stop].reshape(n, m.groups, o, -1)  # [n, groups, o, L]
+            gs = _scaled(g[start:stop], scale).reshape(n, m.groups, o, -1)  # [n, groups, o, L]
             w = gs @ a.transpose(-1, -2)  # [n, groups, o, i]
             total = w if total is None else total.add_(w)
         assert total is not None
         return total.reshape(n, *self.shape)
 
-    def _grouped(self, start: int, stop: int) -> torch.Tensor:
+    def _grouped(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
         """The same by one weight-gradient convolution with the examples as groups."""
         m, n = self.module, stop - start
         total: torch.Tensor | None = None
         for x, (_, g) in zip(self._padded, self.uses, strict=True):
-            xs, gs = x[start:stop], g[start:stop]
+            xs, gs = x[start:stop], _scaled(g[start:stop], scale)
             w = self._wgrad(
                 xs.reshape(1, -1, *xs.shape[2:]),
                 (n * self.shape[0], *self.shape[1:]),
@@ -188,6 +195,17 @@ class ConvWeightGrad(PerExampleGrad):
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.num_examples, size):
             yield self._block(start, min(start + size, self.num_examples))
+
+    def scaled_chunks(
+        self, size: int, scale: float, out: torch.Tensor | None = None
+    ) -> Iterator[tuple[torch.Tensor, bool]]:
+        """The blocks of ``scale * g_n``, the scale on the output gradients where they are
+        smaller than the block (few positions, as in a small network's last convolutions)."""
+        positions = sum(g[0, 0].numel() for _, g in self.uses)
+        on_g = scale != 1.0 and positions < self.shape[1:].numel()
+        for start in range(0, self.num_examples, size):
+            stop = min(start + size, self.num_examples)
+            yield self._block(start, stop, scale if on_g else 1.0), on_g
 
     def _patches(self) -> OuterProduct:
         n, m = self.num_examples, self.module
