@@ -345,3 +345,16 @@ def test_retained_graph_of_a_shared_layer_counts_each_backward_once():
         assert_close(
             [stats[name].mean, stats[name].variance], [g.mean(0), g.var(0, unbiased=False)]
         )
+
+
+def test_parameter_names_are_named_parameters():
+    """The tracker names parameters from its one walk of the modules: the same names and order
+    as model.named_parameters(), shared modules and tied weights counted once."""
+    from gradkit.per_example._tracker import _named_parameters
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(3, 2), nn.Linear(3, 2, bias=False))
+    model[4].weight = model[3].weight  # tied, registered again under another module
+    model.register_parameter("extra", nn.Parameter(torch.zeros(1)))
+    model.register_parameter("absent", None)
+    assert _named_parameters(dict(model.named_modules())) == list(model.named_parameters())

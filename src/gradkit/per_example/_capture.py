@@ -286,10 +286,12 @@ def tracked_modules(
         states.append(ModuleState(name, module, rule, own, pids, dims[name], fusion))
         for pid in pids.values():
             owners[pid] = owners.get(pid, 0) + 1
-    unchecked = {pid for st in states if not checked_module(st.module) for pid in st.pids.values()}
+    checkable = {id(st): checked_module(st.module) and st.rule is not vmap_rule for st in states}
+    unchecked = {pid for st in states if not checkable[id(st)] for pid in st.pids.values()}
     for st in states:
+        ok = checkable[id(st)]
         st.shared = any(owners[pid] > 1 for pid in st.pids.values())
-        if checked_module(st.module) and st.rule is not vmap_rule:
+        if ok:
             st.checked = tuple(pid for pid in st.pids.values() if pid not in unchecked)
     return states
 

@@ -118,6 +118,20 @@ _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictiona
 """The tracker of every module hooked by an active track block."""
 
 
+def _named_parameters(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """``list(model.named_parameters())`` from ``dict(model.named_modules())``, without a second
+    walk of the module tree (the same names, order and removal of duplicates)."""
+    seen: set[int] = set()
+    named = []
+    for prefix, module in modules.items():
+        for key, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            named.append((f"{prefix}.{key}" if prefix else key, p))
+    return named
+
+
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, run eagerly (a graph break) when Dynamo traces the model: it records the call
     and hooks the graph autograd builds, which a compiled trace of it would not do. Outside
@@ -195,7 +209,7 @@ class Tracker(TrackerResults):
         self._max_memory = max_memory
         self._chunk_size = chunk_size
         self._model = model
-        named = list(model.named_parameters())
+        named = _named_parameters(modules)
         self._names = {id(p): n for n, p in named}
         self._params = {id(p): p for _, p in named}
         self._accs: dict[int, PowerSums] = {}
