@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradkit import GradkitError
-from gradkit.per_example import track
+from gradkit.per_example import _fused, track
 from gradkit.testing import per_example_grads
 
 
@@ -37,7 +37,14 @@ def _model() -> nn.Module:
 # Dynamo reads .grad of a non-leaf input while it traces a region after a graph break
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_model_gives_the_oracle_statistics(backend: str) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["autograd", "fused"])
+def test_compiled_model_gives_the_oracle_statistics(
+    backend: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fused``: the layers' weight gradients summed from the statistics (as a model of
+    real size has them), through the compiled graph's breaks at the hooks."""
+    if fused:
+        monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
     torch._dynamo.reset()
     model = _model()
     x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
