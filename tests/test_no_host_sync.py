@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradkit import curvature, per_example
 from gradkit.accumulate import Accumulator
 from gradkit.func import gradients
+from gradkit.per_example import _fused
 
 aten = torch.ops.aten
 # ops that read a device value on the host, or whose output size depends on the data
@@ -138,6 +139,38 @@ def track_conv():
     return _tracked(model, torch.randn(6, 1, 8, 8), "variance", "batch_l2", "batch_grad")
 
 
+def _fusing(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with every layer call that can be fused fused (its weight gradient summed from
+    the statistics), whatever its size."""
+
+    def run() -> None:
+        saved, _fused.MIN_PRODUCT = _fused.MIN_PRODUCT, 0
+        try:
+            step()
+        finally:
+            _fused.MIN_PRODUCT = saved
+
+    return run
+
+
+def track_conv_fused():
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(),
+        nn.Linear(144, 3),
+    )  # fmt: skip
+    return _fusing(_tracked(model, torch.randn(6, 1, 8, 8), "variance", "batch_grad"))
+
+
+def track_sequence_fused():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    return _fusing(_tracked(model, torch.randn(6, 5, 8), "variance", "batch_grad"))
+
+
+def track_sequence_in_place():  # not fused: the output read at its view's base
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    return _tracked(model, torch.randn(6, 5, 8), "mean", "batch_l2")
+
+
 def track_embedding():
     model = nn.Sequential(nn.Embedding(10, 8, padding_idx=0), nn.LayerNorm(8), nn.Linear(8, 3))
     x = torch.randint(0, 10, (6, 5))
@@ -223,6 +256,9 @@ HOT_PATHS = [
     track_mlp,
     track_mlp_batch_grad,
     track_conv,
+    track_conv_fused,
+    track_sequence_fused,
+    track_sequence_in_place,
     track_embedding,
     track_transformer_layer,
     track_lstm,
