@@ -864,3 +864,58 @@ def test_the_note_names_the_module_given_a_batch_dimension() -> None:
         model(ids, torch.randn(3, 5, 8, dtype=D))
     notes = "".join(getattr(err.value, "__notes__", []))
     assert "inner.pos (Embedding)" in notes and "batch dimension of 3 examples" in notes
+
+
+# -- layers whose weight is computed from other parameters at each call ---------------------------
+
+
+def _loop_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The loop oracle on the model itself (hook-based weight_norm cannot be deep-copied)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [
+        torch.autograd.grad(((model(x[i : i + 1]) - y[i : i + 1]) ** 2).sum(), params)
+        for i in range(x.shape[0])
+    ]
+    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
+
+
+_REPARAMETRIZED = {
+    "weight_norm": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(3, 4)),
+    "weight_norm_no_bias": lambda: nn.utils.parametrizations.weight_norm(
+        nn.Linear(3, 4, bias=False)
+    ),
+    "orthogonal": lambda: nn.utils.parametrizations.orthogonal(nn.Linear(3, 4)),
+    "spectral_norm_eval": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4)).eval(),
+    "hook_weight_norm": lambda: nn.utils.weight_norm(nn.Linear(3, 4)),
+    "hook_spectral_norm_eval": lambda: nn.utils.spectral_norm(nn.Linear(3, 4)).eval(),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("layer", list(_REPARAMETRIZED))
+def test_reparametrized_layers_are_exact(layer):
+    """A Linear whose weight is computed from other parameters at each call: the Linear rule
+    would read the weight as a parameter (a parametrized one failed with an error from torch,
+    a hook-based weight_norm with one blaming the rule); the fallback differentiates the whole
+    layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_REPARAMETRIZED[layer](), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    ref = _loop_grads(model, x, y)
+    with track(model, "batch_grad", "variance", loss_reduction="sum") as stats:
+        ((model(x) - y) ** 2).sum().backward()
+    assert set(stats) == set(ref)
+    for name, g in ref.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12, name=name)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.spectral_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("hooked", [False, True], ids=["parametrization", "hook"])
+def test_a_spectral_norm_in_training_mode_is_refused(hooked):
+    """Its power iteration updates the layer at each call: re-running it for per-example
+    gradients would change the layer and the weight it differentiates."""
+    norm = nn.utils.spectral_norm if hooked else nn.utils.parametrizations.spectral_norm
+    model = nn.Sequential(norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(GradkitError, match=r"spectral norm in training mode.*0\.eval\(\)"):
+        track(model, "variance")

@@ -26,7 +26,7 @@ from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
 from gradkit.per_example._layout import backward_roots, check_loss_reduction
 from gradkit.per_example._outside import check_outside_uses, checked_module
-from gradkit.per_example._registry import Use, find_rule
+from gradkit.per_example._registry import Use, find_rule, power_iteration, reparametrized
 from gradkit.per_example.rules import vmap_rule
 from gradkit.per_example.rules._thirdparty import unsplittable
 
@@ -240,7 +240,12 @@ def tracked_modules(
         # call: a tenth of a small model's track() set-up)
         own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
         if not own:
-            continue
+            if not reparametrized(module):
+                continue
+            # the parametrized tensor's originals live in a child (`parametrizations`)
+            own = {n: p for n, p in module.named_parameters() if p.requires_grad}
+            if not own:
+                continue
         parent = modules[name.rpartition(".")[0]] if name else None
         why = unsplittable(parent, module)
         if why is not None:
@@ -254,6 +259,19 @@ def tracked_modules(
                 )
             )
         rule = find_rule(module)
+        if rule is None and power_iteration(module):
+            raise GradkitError(
+                message(
+                    call,
+                    "model",
+                    "layers whose forward can be re-run for per-example gradients",
+                    f"{name or 'model'} ({type(module).__name__}): a spectral norm in training "
+                    "mode, whose power iteration updates the module at each call (re-running "
+                    "it would change both the module and the weight it differentiates)",
+                    f"put it in eval mode ({name or 'model'}.eval()) while tracking, or freeze "
+                    "it to track the rest",
+                )
+            )
         if rule is None:
             # the fallback takes the whole subtree: a module may use its children's
             # parameters without calling them (MultiheadAttention and out_proj)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._batch import Dims
@@ -166,13 +167,43 @@ def find_rule(module: nn.Module) -> Rule | None:
     A subclass that overrides ``forward`` computes something else than the class the rule was
     written for (Hugging Face's ``BartScaledWordEmbedding`` scales ``nn.Embedding``'s lookup):
     it gets no inherited rule (None: the exact fallback) unless a rule is registered for it.
+    Nor does a module whose parameters are not the tensors its forward uses (see
+    :func:`reparametrized`).
     """
+    if reparametrized(module):
+        return None
     kind = type(module)
     for cls in kind.__mro__:
         if cls in _RULES:
             same = getattr(kind, "forward", None) is getattr(cls, "forward", None)
             return _RULES[cls] if same else None
     return None
+
+
+def reparametrized(module: nn.Module) -> bool:
+    """Whether ``module``'s forward uses tensors computed from its parameters at each call:
+    ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``orthogonal``, ...) or
+    the hook-based ``weight_norm`` and ``spectral_norm``. A rule reads the layer's weight as a
+    parameter, which it is not there; the fallback differentiates the whole module."""
+    if parametrize.is_parametrized(module):
+        return True
+    return any(
+        type(hook).__name__ in ("WeightNorm", "SpectralNorm")
+        for hook in module._forward_pre_hooks.values()
+    )
+
+
+def power_iteration(module: nn.Module) -> bool:
+    """Whether a spectral norm of ``module`` (hook-based or a parametrization) updates its
+    power-iteration vectors at each call (training mode)."""
+    if module.training and any(
+        type(hook).__name__ == "SpectralNorm" for hook in module._forward_pre_hooks.values()
+    ):
+        return True
+    if not parametrize.is_parametrized(module):
+        return False
+    lists = module.parametrizations.values()  # type: ignore[operator]
+    return any(type(p).__name__ == "_SpectralNorm" and p.training for ps in lists for p in ps)
 
 
 def registered_rules() -> dict[type, Rule]:
