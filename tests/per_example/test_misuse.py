@@ -814,3 +814,39 @@ def test_autograd_grad_wrt_every_parameter_counts():
     for (name, g), total in zip(ref.items(), grads, strict=True):
         assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
         assert_close(total, g.sum(0), rtol=1e-10, atol=1e-12)
+
+
+# -- a loss scaled on top of its reduction -------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["grad_scaler", "divided"])
+def test_loss_scale_divides_out_a_scaled_loss(how):
+    """GradScaler.scale(loss).backward() and (loss / k).backward() backpropagate a multiple of
+    the loss: declared as loss_scale, the statistics are those of the loss itself (undeclared,
+    those of the multiple: checked too, so that the test would see the factor dropped)."""
+    model, x = _two_layers()
+    y = torch.randn(5, 2, dtype=D)
+    loss_of = lambda: F.mse_loss(model(x), y)
+    if how == "grad_scaler":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        scaled, declared, factor = (lambda: scaler.scale(loss_of())), scaler, 2.0**10
+    else:
+        scaled, declared, factor = (lambda: loss_of() / 4), 0.25, 0.25
+    ref = per_example_grads(model, lambda o, t: F.mse_loss(o, t), x, y)
+    with track(model, "mean", "variance", "batch_l2", "batch_grad", loss_scale=declared) as stats:
+        scaled().backward()
+    with track(model, "mean", "batch_grad") as raw:
+        scaled().backward()
+    for name, g in ref.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)
+        assert_close(raw[name].batch_grad, factor * g, rtol=1e-10, atol=1e-12)
+    assert_close(stats.batch_l2(), sum(g.flatten(1).square().sum(1) for g in ref.values()))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1", True])
+def test_loss_scale_is_validated(bad):
+    model, _ = _two_layers()
+    error = TypeError if isinstance(bad, (str, bool)) else ValueError
+    with pytest.raises(error, match="loss_scale"):
+        track(model, "variance", loss_scale=bad)

@@ -8,6 +8,7 @@ forward records), :mod:`._edge_mean` (the mean read at the parameters' edges) an
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -23,6 +24,7 @@ def track(
     *quantities: str,
     moments: Sequence[int] = (),
     loss_reduction: str = "mean",
+    loss_scale: Any = None,
     batch_dim: int | Mapping[str, int] = 0,
     fallback: str = "vmap",
     unbiased: bool = False,
@@ -50,6 +52,12 @@ def track(
             examples of that backward, or ``"sum"``. Where the loss says it (a ``reduction``
             of a torch loss at the top of the graph, alone or plus other terms) a
             contradiction raises; a custom loss cannot be checked.
+        loss_scale: a factor the backpropagated loss carries on top of that, divided out of
+            the statistics: a ``torch.amp.GradScaler`` (``scaler.scale(loss).backward()``;
+            its ``get_scale()`` is read here, once: one block per optimizer step) or a
+            positive number (``1 / k`` for ``(loss / k).backward()``). None: the statistics
+            are those of the loss as backpropagated, scaled or not (a scaling cannot be
+            detected: the engine has run the scaling node before any tracked layer).
         batch_dim: the batch dimension of the model's inputs and of its layers' inputs and
             outputs, or a mapping from submodule names to it (``{"": 1, "head": 0}``: ``""``
             for the model's inputs, a name for that submodule and those inside it). Layers
@@ -106,6 +114,7 @@ def track(
         quantities,
         moments=moments,
         loss_reduction=loss_reduction,
+        loss_scale=loss_scale,
         batch_dim=batch_dim,
         fallback=fallback,
         unbiased=unbiased,

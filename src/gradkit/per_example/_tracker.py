@@ -73,7 +73,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, message
 from gradkit._sharded import is_dtensor, refuse_fsdp1
-from gradkit._validate import check_bool, check_choice, check_int, check_module, check_optional_int
+from gradkit._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_module,
+    check_number,
+    check_optional_int,
+)
 from gradkit.per_example._batch import (
     ModelCall,
     check_broadcast_consumers,
@@ -116,6 +123,19 @@ __all__ = ["Tracker"]
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
 """The tracker of every module hooked by an active track block."""
+
+
+def _parse_loss_scale(value: Any, call: str) -> float:
+    """``track``'s ``loss_scale`` as a positive number (None: 1): a ``GradScaler``'s current
+    scale, or the number given."""
+    if value is None:
+        return 1.0
+    get_scale = getattr(value, "get_scale", None)
+    if callable(get_scale):
+        value = get_scale()
+    return check_number(
+        value, call, "loss_scale", low=0, low_open=True, example="scaler (a GradScaler) or 1/8"
+    )
 
 
 def _named_parameters(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -176,6 +196,7 @@ class Tracker(TrackerResults):
         moments: Sequence[int],
         loss_reduction: str,
         batch_dim: int | Mapping[str, int],
+        loss_scale: Any = None,
         fallback: str,
         unbiased: bool,
         max_memory: int,
@@ -187,6 +208,7 @@ class Tracker(TrackerResults):
         refuse_fsdp1(model, call)
         self._want = parse_want(quantities, moments, call)
         self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
+        self._loss_scale = _parse_loss_scale(loss_scale, call)
         # False: any loss is read as a sum of per-example shares (a caller that rescales the
         # statistics itself, as GradientMonitor(scale_to_grad=True) does)
         self.verify_reduction = True
@@ -483,7 +505,10 @@ class Tracker(TrackerResults):
         return fusable_call(st.fusion, x, weight, output) and not is_dtensor(weight)
 
     def _scale(self, n: int) -> float:
-        return float(n) if self._loss_reduction == "mean" else 1.0
+        """The factor from the gradients reaching a call of ``n`` examples to their ``g_i``
+        (every statistic goes through it)."""
+        share = float(n) if self._loss_reduction == "mean" else 1.0
+        return share / self._loss_scale
 
     def _edge_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
         def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> None:
