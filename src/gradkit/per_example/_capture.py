@@ -145,7 +145,7 @@ def check_pass(
         check_loss_reduction(loss_reduction, n, {nd for r in live for nd in r.nodes}, roots)
     # the calls this pass differentiates: the engine does not list a root's own node as one it
     # will execute (autograd.grad(out, ...) with out a layer's output)
-    tops = {t.grad_fn for t in roots}
+    tops = set(nodes)
     counted = live + [r for r in records if id(r) not in seen and any(n in tops for n in r.nodes)]
     # a layer not called in this pass: no use at all; a parameter left out: not checked
     expected = {pid: 0 for pid in checked if pid not in left_out}

@@ -187,23 +187,24 @@ def reparametrized(module: nn.Module) -> bool:
     parameter, which it is not there; the fallback differentiates the whole module."""
     if parametrize.is_parametrized(module):
         return True
-    return any(
-        type(hook).__name__ in ("WeightNorm", "SpectralNorm")
-        for hook in module._forward_pre_hooks.values()
-    )
+    return bool({"WeightNorm", "SpectralNorm"} & _pre_hook_kinds(module))
 
 
 def power_iteration(module: nn.Module) -> bool:
     """Whether a spectral norm of ``module`` (hook-based or a parametrization) updates its
     power-iteration vectors at each call (training mode)."""
-    if module.training and any(
-        type(hook).__name__ == "SpectralNorm" for hook in module._forward_pre_hooks.values()
-    ):
+    if module.training and "SpectralNorm" in _pre_hook_kinds(module):
         return True
     if not parametrize.is_parametrized(module):
         return False
     lists = module.parametrizations.values()  # type: ignore[operator]
     return any(type(p).__name__ == "_SpectralNorm" and p.training for ps in lists for p in ps)
+
+
+def _pre_hook_kinds(module: nn.Module) -> set[str]:
+    """The class names of ``module``'s forward pre-hooks (the hook-based weight and spectral
+    norms are instances of ``WeightNorm`` and ``SpectralNorm``)."""
+    return {type(hook).__name__ for hook in module._forward_pre_hooks.values()}
 
 
 def registered_rules() -> dict[type, Rule]:

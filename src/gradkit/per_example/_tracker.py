@@ -260,8 +260,8 @@ class Tracker(TrackerResults):
         self._frozen = {n for n, p in named if not p.requires_grad}
         self._handles: list[Any] = []
         self._active = False
-        self._callback_queued = False
-        self._pass_end: weakref.ref[_PassEnd] | None = None  # the callback queued for the pass
+        # the end-of-pass callback queued for the pass under way (None: none is)
+        self._pass_end: weakref.ref[_PassEnd] | None = None
         self._broken = False  # a pass raised part-way: the statistics cannot be completed
         self._in_rule = False
         self._records: list[UseRecord] = []  # uses whose graph references are still held
@@ -546,8 +546,7 @@ class Tracker(TrackerResults):
                     g = g.movedim(d, 0)
             leaves.append(g)
         st.pending.append((record, leaves))
-        if not self._callback_queued:
-            self._callback_queued = True
+        if self._pass_end is None:
             end = _PassEnd(self)
             self._pass_end = weakref.ref(end)
             torch.autograd.Variable._execution_engine.queue_callback(end)
@@ -670,9 +669,8 @@ class Tracker(TrackerResults):
         layer (a rule's error, an error in another hook or node, out of memory): part of that
         pass's gradients are in the statistics and the rest never will be, so every later
         pass and read would be silently off."""
-        if not self._broken and self._callback_queued:
-            end = self._pass_end
-            self._broken = end is None or end() is None  # dropped unrun: the pass raised
+        if not self._broken and self._pass_end is not None:
+            self._broken = self._pass_end() is None  # dropped unrun: the pass raised
         if self._broken:
             raise GradkitError(
                 message(
@@ -688,7 +686,7 @@ class Tracker(TrackerResults):
             )
 
     def _finalize(self) -> None:
-        self._callback_queued = False
+        self._pass_end = None
         if not self._active:
             return
         try:
