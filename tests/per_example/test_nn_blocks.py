@@ -869,17 +869,6 @@ def test_the_note_names_the_module_given_a_batch_dimension() -> None:
 # -- layers whose weight is computed from other parameters at each call ---------------------------
 
 
-def _loop_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The loop oracle on the model itself (hook-based weight_norm cannot be deep-copied)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = [
-        torch.autograd.grad(((model(x[i : i + 1]) - y[i : i + 1]) ** 2).sum(), params)
-        for i in range(x.shape[0])
-    ]
-    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
-
-
 _REPARAMETRIZED = {
     "weight_norm": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(3, 4)),
     "weight_norm_no_bias": lambda: nn.utils.parametrizations.weight_norm(
@@ -900,14 +889,19 @@ def test_reparametrized_layers_are_exact(layer):
     a hook-based weight_norm with one blaming the rule); the fallback differentiates the whole
     layer."""
     torch.manual_seed(0)
-    model = nn.Sequential(_REPARAMETRIZED[layer](), nn.Tanh(), nn.Linear(4, 2)).double()
-    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
-    ref = _loop_grads(model, x, y)
-    with track(model, "batch_grad", "variance", loss_reduction="sum") as stats:
-        ((model(x) - y) ** 2).sum().backward()
+    batch = (torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D))
+    case = Case(
+        layer,
+        lambda: nn.Sequential(_REPARAMETRIZED[layer](), nn.Tanh(), nn.Linear(4, 2)).double(),
+        lambda n: batch,
+        lambda m, b, r: sq(m(b[0][r]), b[1][r]),
+    )
+    model = case.model()
+    # the loop runs on the model itself: the hook-based norms cannot be deep-copied
+    ref = loop_oracle(case, model, batch, 5)
+    stats = tracked(case, model, batch, [2, 3], "sum")
     assert set(stats) == set(ref)
-    for name, g in ref.items():
-        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12, name=name)
+    compare(stats, ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.spectral_norm` is deprecated:FutureWarning")
