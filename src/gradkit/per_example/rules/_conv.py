@@ -146,6 +146,7 @@ class ConvWeightGrad(PerExampleGrad):
         self.module, self.uses = module, uses
         self.num_examples = uses[0][1].shape[0]
         self.shape = module.weight.shape
+        self.positions = sum(g.shape[2:].numel() for _, g in uses)  # output positions, all uses
         spatial = module.weight.dim() - 2
         self._wgrad = _WEIGHT_GRAD[spatial]
         self._pads = _pads(module, spatial)
@@ -201,8 +202,7 @@ class ConvWeightGrad(PerExampleGrad):
     ) -> Iterator[tuple[torch.Tensor, bool]]:
         """The blocks of ``scale * g_n``, the scale on the output gradients where they are
         smaller than the block (few positions, as in a small network's last convolutions)."""
-        positions = sum(g[0, 0].numel() for _, g in self.uses)
-        on_g = scale != 1.0 and positions < self.shape[1:].numel()
+        on_g = scale != 1.0 and self.positions < self.shape[1:].numel()
         for start in range(0, self.num_examples, size):
             stop = min(start + size, self.num_examples)
             yield self._block(start, stop, scale if on_g else 1.0), on_g
@@ -220,10 +220,9 @@ class ConvWeightGrad(PerExampleGrad):
 
     def sq_norms(self) -> torch.Tensor | None:
         m = self.module
-        positions = sum(g[0, 0].numel() for _, g in self.uses)
         i = self.shape[1:].numel()
         o = m.out_channels // m.groups
-        if positions * (i + o) >= i * o:  # Gram form not cheaper: materialize
+        if self.positions * (i + o) >= i * o:  # Gram form not cheaper: materialize
             return None
         return self._patches().sq_norms()
 
