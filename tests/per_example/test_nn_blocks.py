@@ -904,6 +904,27 @@ def test_reparametrized_layers_are_exact(layer):
     compare(stats, ref, rtol=1e-10, atol=1e-12)
 
 
+def test_the_parametrization_check_agrees_with_torch():
+    """The tracker reads a module's parametrizations where torch puts them (a cheaper lookup
+    than ``is_parametrized``'s): the same answer on and after parametrizing, after removing
+    it, and for modules around and inside a parametrized one."""
+    from torch.nn.utils import parametrize
+
+    from gradkit.per_example._registry import _parametrized
+
+    layer = nn.Linear(3, 4)
+    model = nn.Sequential(layer, nn.ReLU())
+    before = [*model.modules()]
+    nn.utils.parametrizations.orthogonal(layer)
+    after = [*model.modules()]
+    answers = [_parametrized(m) for m in after]
+    assert answers == [parametrize.is_parametrized(m) for m in after]
+    assert answers.count(True) == 1 and _parametrized(layer)
+    parametrize.remove_parametrizations(layer, "weight")
+    assert not _parametrized(layer)
+    assert [_parametrized(m) for m in before] == [parametrize.is_parametrized(m) for m in before]
+
+
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.spectral_norm` is deprecated:FutureWarning")
 @pytest.mark.parametrize("hooked", [False, True], ids=["parametrization", "hook"])
 def test_a_spectral_norm_in_training_mode_is_refused(hooked):

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._batch import Dims
@@ -185,7 +184,7 @@ def reparametrized(module: nn.Module) -> bool:
     ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``orthogonal``, ...) or
     the hook-based ``weight_norm`` and ``spectral_norm``. A rule reads the layer's weight as a
     parameter, which it is not there; the fallback differentiates the whole module."""
-    if parametrize.is_parametrized(module):
+    if _parametrized(module):
         return True
     return bool({"WeightNorm", "SpectralNorm"} & _pre_hook_kinds(module))
 
@@ -195,10 +194,19 @@ def power_iteration(module: nn.Module) -> bool:
     power-iteration vectors at each call (training mode)."""
     if module.training and "SpectralNorm" in _pre_hook_kinds(module):
         return True
-    if not parametrize.is_parametrized(module):
+    if not _parametrized(module):
         return False
     lists = module.parametrizations.values()  # type: ignore[operator]
     return any(type(p).__name__ == "_SpectralNorm" and p.training for ps in lists for p in ps)
+
+
+def _parametrized(module: nn.Module) -> bool:
+    """``parametrize.is_parametrized(module)``, read where ``torch.nn.utils.parametrize`` puts the
+    parametrizations (``module._modules``): its ``getattr`` raises and catches an
+    ``AttributeError`` for every module without one, 1.5 us each, a fifth of a small model's
+    ``track()`` set-up."""
+    found = module._modules.get("parametrizations")
+    return isinstance(found, nn.ModuleDict) and len(found) > 0
 
 
 def _pre_hook_kinds(module: nn.Module) -> set[str]:
