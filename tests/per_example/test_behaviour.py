@@ -216,6 +216,75 @@ def test_batchnorm_training_mode_refused_with_explanation():
     assert stats.num_examples == 4
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_batchnorm_without_running_statistics_refused_in_either_mode(training):
+    """Without running statistics BatchNorm normalizes with the batch's own statistics in eval
+    mode too: each example's output depends on the others (a BatchNorm's weight read per
+    example had a batch_grad whose mean was 30 % off its mean)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, track_running_stats=False))
+    model.train(training)
+    with (
+        track(model, "variance"),
+        pytest.raises(GradkitError, match="BatchNorm1d (in training mode|without running stat)"),
+    ):
+        model(torch.randn(4, 3))
+
+
+class _Odd(nn.Module):
+    """A layer without a rule: the fallback differentiates it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.w)
+
+
+@pytest.mark.parametrize("layer", ["linear", "fallback"])
+def test_a_forward_hook_that_replaces_a_layers_output_is_exact(layer):
+    """The user's forward hook, registered before track(), returns a new output: a rule must
+    read the layer's own output (its hook used to run after the user's and read the replaced
+    one: 2.3 off on the Linear's weight), the fallback the output the hooks leave, as its
+    re-run of the module calls them too."""
+    torch.manual_seed(0)
+    first = nn.Linear(3, 4) if layer == "linear" else nn.Sequential(nn.Linear(3, 4), _Odd())
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 2)).double()
+    hooked = model[0] if layer == "linear" else model[0][1]
+    hooked.register_forward_hook(lambda module, args, out: 2.0 * out + 0.5)
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 2).sum(), x, y)
+    with track(model, "batch_grad", "variance", loss_reduction="sum") as stats:
+        ((model(x) - y) ** 2).sum().backward()
+    for name, g in ref.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)
+
+
+def test_a_zero_dim_parameter_has_norms():
+    """A 0-dim parameter (CLIP's logit_scale, a learned temperature): its per-example gradients
+    are [N]; their norms used to fail with an IndexError in the middle of the backward."""
+    torch.manual_seed(0)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(3, 2)
+            self.scale = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * self.scale
+
+    model = Scaled().double()
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 2).sum(), x, y)
+    with track(model, "batch_l2", "variance", loss_reduction="sum") as stats:
+        ((model(x) - y) ** 2).sum().backward()
+    assert_close(stats["scale"].batch_l2, ref["scale"] ** 2, rtol=1e-10, atol=1e-12)
+    total = sum(g.reshape(5, -1).square().sum(1) for g in ref.values())
+    assert_close(stats.batch_l2(), total, rtol=1e-10, atol=1e-12)
+
+
 def test_hooks_removed_on_exit_and_on_error():
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     with pytest.raises(RuntimeError, match="boom"), track(model, "variance"):

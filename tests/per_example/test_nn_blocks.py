@@ -866,6 +866,34 @@ def test_the_note_names_the_module_given_a_batch_dimension() -> None:
     assert "inner.pos (Embedding)" in notes and "batch dimension of 3 examples" in notes
 
 
+class WindowBias(nn.Module):
+    """A learned [1, d] bias, as Swin's relative position bias: the model adds it to rows that
+    are examples times windows, so its [N, d] expansion no longer broadcasts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(8))
+
+    def forward(self) -> torch.Tensor:
+        return self.table.unsqueeze(0)
+
+
+def test_the_note_names_a_size_one_output_that_was_expanded() -> None:
+    class Windows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = WindowBias()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, 2, 8], two windows
+            return x.reshape(-1, 8) + self.bias()
+
+    model = Windows().double()
+    with pytest.raises(RuntimeError) as err, track(model, "variance"):
+        model(torch.randn(3, 2, 8, dtype=D))
+    notes = "".join(getattr(err.value, "__notes__", []))
+    assert "bias (WindowBias) (a batch dimension of 1)" in notes and "3 examples" in notes
+
+
 # -- layers whose weight is computed from other parameters at each call ---------------------------
 
 

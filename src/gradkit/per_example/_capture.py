@@ -342,18 +342,26 @@ def in_backward() -> bool:
 
 
 def refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
-    """A forward pre-hook: BatchNorm in training mode mixes the examples."""
+    """A forward pre-hook: BatchNorm that normalizes with the batch's statistics mixes the
+    examples: in training mode, and in eval mode without running statistics
+    (``track_running_stats=False``), as ``_BatchNorm.forward`` decides."""
     if module.training:
-        raise GradkitError(
-            message(
-                "per_example.track(model, ...)",
-                "model",
-                "layers that treat examples independently",
-                f"{type(module).__name__} in training mode, which normalizes with statistics of "
-                "the whole batch (each example's loss depends on every other example, and "
-                "individual gradients are not defined)",
-                "call model.eval() on it (running statistics), or convert the model with "
-                "gradkit.per_example.replace_batchnorm(model) (GroupNorm instead: a change of "
-                "the model, to be trained as such)",
-            )
+        mode = "in training mode"
+        fix = "call model.eval() on it (running statistics), or "
+    elif module.running_mean is None and module.running_var is None:
+        mode = "without running statistics (track_running_stats=False), even in eval mode"
+        fix = ""
+    else:
+        return
+    raise GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "model",
+            "layers that treat examples independently",
+            f"{type(module).__name__} {mode}, which normalizes with statistics of the whole "
+            "batch (each example's loss depends on every other example, and individual "
+            "gradients are not defined)",
+            f"{fix}convert the model with gradkit.per_example.replace_batchnorm(model) "
+            "(GroupNorm instead: a change of the model, to be trained as such)",
         )
+    )

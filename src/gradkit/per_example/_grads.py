@@ -100,7 +100,8 @@ class Materialized(PerExampleGrad):
         return total.mul_(scale**p) if scale != 1.0 else total
 
     def sq_norms(self) -> torch.Tensor | None:
-        return self.grads.flatten(1).square().sum(1)
+        # reshape, not flatten(1): a 0-dim parameter's gradients are [N]
+        return self.grads.reshape(self.num_examples, -1).square().sum(1)
 
 
 class OuterProduct(PerExampleGrad):

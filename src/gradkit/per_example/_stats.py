@@ -246,10 +246,12 @@ def add_block(
                 else:
                     acc.add_sum(p, g.pow(p).sum(0), owned=True)
             if need_l2:
+                # reshape, not flatten(1): a 0-dim parameter's blocks are [n]
                 if squares is None:
-                    acc.l2.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
+                    flat = g.reshape(g.shape[0], -1)
+                    acc.l2.append(torch.linalg.vector_norm(flat, dim=1).square())
                 else:
-                    acc.l2.append(squares.flatten(1).sum(1))
+                    acc.l2.append(squares.reshape(g.shape[0], -1).sum(1))
     acc.n += pe.num_examples
 
 

@@ -318,8 +318,14 @@ class Tracker(TrackerResults):
         try:
             eager = _eager
             for st in self._states:
+                # a rule reads the layer's own output: its hook runs before the user's forward
+                # hooks, which may replace that output (a hook returning 2 * output made the
+                # per-example gradients of a Linear silently wrong). The fallback re-runs the
+                # module with its hooks, so it reads the output they leave.
+                hook = eager(self._forward_hook(st))
+                first = st.rule is not vmap_rule
                 self._handles.append(
-                    st.module.register_forward_hook(eager(self._forward_hook(st)), with_kwargs=True)
+                    st.module.register_forward_hook(hook, with_kwargs=True, prepend=first)
                 )
             self._handles.append(
                 self._model.register_forward_pre_hook(eager(self._model_pre_hook), with_kwargs=True)
@@ -380,17 +386,18 @@ class Tracker(TrackerResults):
             if model_call.uses and not in_backward():
                 self._unbackwarded += 1
         reshaped = [
-            label for call, _, _, label in (model_call.expanded if model_call else [])
-            if call.mode == "unbatched"
-        ]  # fmt: skip
+            f"{label} ({'none' if call.mode == 'unbatched' else 'a batch dimension of 1'})"
+            for call, _, _, label in (model_call.expanded if model_call else [])
+        ]
         if failed is not None and reshaped and hasattr(failed, "add_note"):
             failed.add_note(
-                "per_example.track gave these modules a batch dimension of "
-                f"{n} examples because their outputs had none: "
+                "per_example.track expanded the outputs of these modules to a batch dimension "
+                f"of {n} examples, as they had none or one of size 1: "
                 + ", ".join(reshaped)
-                + ". A model that does not broadcast such an output over the batch cannot be "
-                "split by example there: freeze its parameters (requires_grad_(False)) or "
-                "give its inputs the batch dimension"
+                + ". A model that does not broadcast such an output over its examples as they "
+                "are (e.g. it adds it to [examples * windows, ...] rows) cannot be split by "
+                "example there: freeze its parameters (requires_grad_(False)) or give its "
+                "inputs the batch dimension"
             )
 
     def _forward_hook(self, st: ModuleState) -> Any:
