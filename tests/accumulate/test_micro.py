@@ -209,6 +209,54 @@ def test_split_batch_structures_and_errors():
         split_batch(3, micro_batch_size=1)
 
 
+def test_split_batch_refuses_arrays_it_cannot_slice():
+    """A NumPy array in the batch (per-example weights, say) was handed whole to every
+    micro-batch: with micro-batches of one example it broadcast silently (5x off the weighted
+    mean). Numbers and strings are still shared."""
+    np = pytest.importorskip("numpy")
+    x, y = torch.zeros(4, 2), torch.zeros(4)
+    with pytest.raises(TypeError, match=r"batch\[2\]: .*ndarray of shape \(4,\).*as_tensor"):
+        split_batch((x, y, np.ones(4)), micro_batch_size=1)
+    with pytest.raises(TypeError, match=r"batch\['w'\]"):
+        split_batch({"x": x, "w": np.ones((4, 1))}, num_micro_batches=2)
+    parts = split_batch((x, "tag", 0.5, np.float64(2.0), None), micro_batch_size=3)
+    assert [p[0].shape[0] for p in parts] == [3, 1] and parts[1][1:] == ("tag", 0.5, 2.0, None)
+
+
+def test_step_under_a_float64_default_dtype_divides_float32_gradients_once():
+    """With torch.set_default_dtype(torch.float64), the finite check of float32 gradients made
+    float64 scale tensors, which AMP's kernel refuses: step() raised after dividing the float64
+    gradients, and a retry divided them again (by the count squared)."""
+    torch.manual_seed(0)
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 4).double()
+            self.b = nn.Linear(4, 2).float()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).float()).double()
+
+    model = Mixed()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    want = [p.grad / 6 for p in model.parameters()]
+    model.zero_grad()
+    opt = Capture(model.parameters())
+    acc = Accumulator(model, opt)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with acc.micro_step(count=6):
+            acc.backward(model(x).pow(2).sum())
+        assert acc.step().stepped
+    finally:
+        torch.set_default_dtype(previous)
+    for got, ref in zip(opt.seen[0], want, strict=True):
+        assert_close(got, ref.to(got.dtype), rtol=1e-6, atol=1e-7)
+
+
 def test_last_must_be_a_bool_or_none():
     model = nn.Linear(2, 1)
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -3,7 +3,8 @@ examples along dimension 0): counting their examples and splitting them into mic
 
 Index legend: ``n`` examples of the batch, ``k`` micro-batches, ``*`` per-example dims.
 Every tensor of a batch is ``[n, *]`` with the same ``n``; other leaves (strings, numbers,
-``None``) are shared by every micro-batch.
+``None``) are shared by every micro-batch. Arrays that are not tensors (NumPy's) are refused:
+shared, their examples would reach every micro-batch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ def _leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _leaves(value, f"{path}[{i}]")
 
 
+def _arrays(batch: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """The leaves of ``batch`` that are arrays but not tensors (NumPy arrays and the like, with
+    at least one dimension): slicing does not reach them."""
+    if isinstance(batch, torch.Tensor):
+        return
+    if isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _arrays(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            yield from _arrays(value, f"{path}[{i}]")
+    elif hasattr(batch, "__array__") and getattr(batch, "ndim", 0) >= 1:
+        yield path, batch
+
+
 def batch_size(batch: Any, call: str = _SPLIT) -> int:
     """The number of examples ``n`` of ``batch``: dimension 0 of its tensors, which must agree.
 
@@ -45,6 +61,18 @@ def batch_size(batch: Any, call: str = _SPLIT) -> int:
         ...
         ValueError: split_batch(batch, ...): batch: expected tensors with the same number of ...
     """
+    for path, array in _arrays(batch, "batch"):
+        raise TypeError(
+            message(
+                call,
+                path,
+                "tensors (split by example) or leaves shared by every micro-batch (strings, "
+                "numbers, None)",
+                f"a {type(array).__name__} of shape {tuple(array.shape)}, which every "
+                "micro-batch would get whole",
+                "convert it with torch.as_tensor so that each micro-batch gets its own examples",
+            )
+        )
     leaves = list(_leaves(batch, "batch"))
     if not leaves:
         raise TypeError(

@@ -96,8 +96,10 @@ def divide_(grads: list[torch.Tensor], count: float | None, *, check: bool, wide
     finite = True
     for (device, dtype), gs in groups.items():
         if check and dtype in _FUSED:
-            found = torch.zeros(1, device=device)
-            inv = torch.full((1,), 1.0 / divisor, device=device)
+            # float32 whatever the default dtype: the kernel refuses float64 ones, and a
+            # failure here would leave the groups before it divided already
+            found = torch.zeros(1, device=device, dtype=torch.float32)
+            inv = torch.full((1,), 1.0 / divisor, device=device, dtype=torch.float32)
             torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
             finite = finite and bool(found.item() == 0)
             continue
