@@ -285,6 +285,91 @@ def test_a_zero_dim_parameter_has_norms():
     assert_close(stats.batch_l2(), total, rtol=1e-10, atol=1e-12)
 
 
+class _Masked(nn.Module):
+    """A fallback module (a parameter used directly) given a [T, T] causal mask shared by every
+    example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=D))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # x: [N, T, 3]
+        scores = (x @ x.transpose(1, 2)).masked_fill(~mask, -1e9).softmax(-1)
+        return (scores @ x) * self.gamma
+
+
+class _CausalModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Masked()
+        self.head = nn.Linear(3, 1).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        return self.head(self.block(x, torch.ones(t, t, dtype=torch.bool).tril())).sum((1, 2))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_shared_tensor_with_n_rows_is_refused_not_split(n):
+    """The fallback splits a tensor where its size equals the number of examples: a causal mask
+    [T, T] with T = N was split as if it held examples, and every statistic of the block but
+    the mean came out wrong (0.3-0.9 off). Re-running each example must reproduce its row of
+    the batch's output; when it does not, reading the statistics raises."""
+    torch.manual_seed(0)
+    model, x = _CausalModel(), torch.randn(n, 4, 3, dtype=D)
+    with track(model, "variance", "batch_l2", loss_reduction="sum") as stats:
+        model(x).sum().backward()
+    if n == 4:  # T = N: the mask is split
+        with pytest.raises(GradkitError, match=r"block \(_Masked\): re-run on each example"):
+            stats.batch_l2()
+        with pytest.raises(GradkitError, match="shared by every example"):
+            _ = stats["block.gamma"].variance
+        return
+    ref = per_example_grads(model, lambda o, t: o.sum(), x, None)
+    for name, g in ref.items():
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)
+
+
+def test_a_fallback_module_that_mixes_examples_is_refused():
+    """A module whose output for one example depends on the others (centred on the batch
+    mean) has no per-example gradients: its re-runs cannot reproduce the batch's output."""
+
+    class Centred(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, dtype=D))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x - x.mean(0)) * self.w
+
+    model = nn.Sequential(Centred(), nn.Linear(3, 1).double())
+    with track(model, "variance") as stats:
+        model(torch.randn(5, 3, dtype=D)).pow(2).mean().backward()
+    with pytest.raises(GradkitError, match=r"0 \(Centred\): re-run on each example"):
+        _ = stats["0.w"].variance
+
+
+def test_a_fallback_output_modified_in_place_is_not_mistaken_for_a_mismatch():
+    """The batch's output is checked only while it is as the module returned it: an in-place
+    activation afterwards leaves the statistics exact and readable."""
+    torch.manual_seed(0)
+
+    class Scale(nn.Module):  # its output is not saved for its backward: ReLU may change it
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 4, dtype=D))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    model = nn.Sequential(Scale(), nn.ReLU(inplace=True), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 4, dtype=D), torch.randn(5, 2, dtype=D)
+    ref = per_example_grads(model, lambda o, t: ((o - t) ** 2).sum(), x, y)
+    with track(model, "variance", loss_reduction="sum") as stats:
+        ((model(x) - y) ** 2).sum().backward()
+    assert_close(stats["0.w"].variance, ref["0.w"].var(0, unbiased=False), rtol=1e-10, atol=1e-12)
+
+
 def test_hooks_removed_on_exit_and_on_error():
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     with pytest.raises(RuntimeError, match="boom"), track(model, "variance"):

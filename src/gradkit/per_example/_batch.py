@@ -94,6 +94,11 @@ class Dims:
     inputs: list[int | None]
     outputs: list[int | None]
     added: list[bool]
+    values: list[torch.Tensor | None] | None = None
+    """The output's leaves as the module returned them (detached; expanded where ``added``),
+    for the fallback to check that each example's re-run gives its row; None: not checked."""
+    versions: list[int] | None = None
+    """Their version counters then: a leaf modified in place since cannot be checked."""
 
 
 @dataclass
@@ -111,6 +116,8 @@ class Call:
     problem: str = ""  # for mode "mismatch": what is wrong
     out_spec: Any = None  # the output's tree structure
     positions: int = 1  # mode "merged": rows per example ([N * positions, ...] -> [N, positions])
+    values: list[torch.Tensor | None] | None = None  # the fallback's output leaves (see Dims)
+    versions: list[int] | None = None
 
 
 def _merged(
@@ -351,6 +358,10 @@ def split_call(
         in_dims.append(d)
     cargs, ckwargs = unflatten(captured, in_spec)
     replaced = unflatten(new_out, out_spec) if mode != "batched" else None
+    values = versions = None
+    if not batch_first:  # the fallback checks its re-runs against these
+        values = [t.detach() if isinstance(t, torch.Tensor) else None for t in new_out]
+        versions = [t._version if t is not None else -1 for t in values]
     return Call(
         n,
         cargs,
@@ -361,6 +372,8 @@ def split_call(
         replaced,
         mode,
         out_spec=out_spec,
+        values=values,
+        versions=versions,
     )
 
 

@@ -331,7 +331,8 @@ def rule_view(call: Call, grads: list[torch.Tensor | None], native: bool) -> Use
     """The rule's view of one call: batch-first tensors for rules, the call as the module saw
     it (with its dims) for the fallback."""
     if native:
-        return Use(call.args, grads, call.kwargs, Dims(call.in_dims, call.out_dims, call.added))
+        dims = Dims(call.in_dims, call.out_dims, call.added, call.values, call.versions)
+        return Use(call.args, grads, call.kwargs, dims)
     return Use(call.args, unflatten(grads, call.out_spec), call.kwargs)
 
 

@@ -54,6 +54,10 @@ class RuleContext:
     """The module's own parameters to differentiate, by local name."""
     gram_norms: bool = True
     """Whether rules may use Gram-form (pairwise) norms when the cost model prefers them."""
+    reruns: list[torch.Tensor] = field(default_factory=list)
+    """0-dim bool tensors a rule may append, True where re-running the module example by
+    example did not reproduce the batch's output (the fallback's check): the tracker refuses
+    to give statistics if any is, when they are read (no host sync in the backward)."""
 
 
 Rule = Callable[[nn.Module, list[Use], RuleContext], dict[str, PerExampleGrad]]

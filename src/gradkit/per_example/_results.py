@@ -36,11 +36,17 @@ class TrackerResults(Mapping[str, ParamStats]):
     def _check_complete(self, call: str) -> None:
         """Refuse to go on after a backward pass that ended part-way (see the tracker)."""
 
+    def _check_reruns(self, call: str) -> None:
+        """Refuse statistics a module's re-run example by example did not reproduce (see the
+        tracker)."""
+
     def _readable(self, call: str) -> None:
         """Refuse to read statistics inside the block while a model call waits for its
         backward pass: they would silently leave its examples out. Refuse them too after a
-        backward pass that raised part-way (:meth:`_check_complete`)."""
+        backward pass that raised part-way (:meth:`_check_complete`), and where the fallback's
+        re-runs did not reproduce a module's output (:meth:`_check_reruns`)."""
         self._check_complete(call)
+        self._check_reruns(call)
         if self._active and self._unbackwarded:
             raise GradkitError(
                 message(

@@ -264,6 +264,8 @@ class Tracker(TrackerResults):
         self._pass_end: weakref.ref[_PassEnd] | None = None
         self._broken = False  # a pass raised part-way: the statistics cannot be completed
         self._in_rule = False
+        # (module, whether the fallback's re-runs missed its output): read with the statistics
+        self._reruns: list[tuple[str, torch.Tensor]] = []
         self._records: list[UseRecord] = []  # uses whose graph references are still held
         self._done: list[UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
@@ -619,10 +621,13 @@ class Tracker(TrackerResults):
         if len(uses) > 1 and not builtin(st.rule):
             uses = CheckedUses(uses)  # a user's rule must read every use
         self._in_rule = True
+        ctx = RuleContext(st.params)
         try:
-            pes = st.rule(st.module, uses, RuleContext(st.params))
+            pes = st.rule(st.module, uses, ctx)
         finally:
             self._in_rule = False
+        if ctx.reruns:
+            self._reruns.append((st.label, torch.stack(ctx.reruns).any()))
         if isinstance(uses, CheckedUses):
             uses.check(st.rule, st.label)
         record = pending[0][0]
@@ -670,6 +675,32 @@ class Tracker(TrackerResults):
             per_example = max(1, pe.shape.numel()) * 4 * 4  # block, cast, power, temporaries
             chunk = max(1, self._max_memory // per_example)
         add_block(acc, pe, scale, self._want, mean_given=mean_given, chunk_size=chunk)
+
+    def _check_reruns(self, call: str) -> None:
+        """Refuse statistics where the fallback re-ran a module example by example and did not
+        get the batch's output back (its flags, kept per backward pass, are read here, with
+        the statistics: the backward never waits for the device)."""
+        if not self._reruns:
+            return
+        labels = [label for label, differ in self._reruns if bool(differ)]
+        if not labels:
+            self._reruns.clear()
+            return
+        raise GradkitError(
+            message(
+                call,
+                "model",
+                "modules that give each example the output they give it in the batch",
+                ", ".join(dict.fromkeys(labels)) + ": re-run on each example alone (the exact "
+                "fallback), it did not reproduce that example's part of the batch's output. "
+                "It mixes examples, or it was given a tensor shared by every example (a mask "
+                "or a table) with as many rows as there are examples, which was split as if "
+                "it held them",
+                "give such a shared tensor another shape (e.g. a leading dimension of 1), "
+                "register a rule for the module (@gradkit.per_example.register_rule), or "
+                "freeze its parameters (requires_grad_(False)) to track the rest",
+            )
+        )
 
     def _check_complete(self, call: str) -> None:
         """Refuse to go on after a backward pass that raised once it had reached a tracked

@@ -13,6 +13,11 @@ operation has no batching rule (torch's RNN kernels), examples are looped over; 
 ``PackedSequence`` is unpacked and each example re-run on its own sequence. A module without a
 rule is differentiated with its whole subtree (MultiheadAttention uses its ``out_proj``
 parameters without calling ``out_proj``).
+
+Each example's re-run is checked against that example's part of the output the module gave the
+batch (:func:`_reruns_differ`): where they differ, the module mixes examples or was given a
+shared tensor whose size happened to equal ``N`` (split as if it held examples), and the
+tracker refuses the statistics when they are read.
 """
 
 from __future__ import annotations
@@ -53,10 +58,46 @@ def _batch_first_dims(use: Use) -> Dims:
     )
 
 
+def _reruns_differ(
+    dims: Dims, keep: list[int], outs: Sequence[torch.Tensor]
+) -> torch.Tensor | None:
+    """A 0-dim bool tensor, True where an example's re-run (``outs[j]``: ``[N, ...]`` per kept
+    output leaf, the module's output for example ``n`` alone) is not that example's row of the
+    output the module gave the batch, beyond rounding (``sqrt(eps)`` of the output's largest
+    magnitude). Then the module mixes examples, or a tensor it was given with ``N`` rows where
+    the examples would be is shared by all of them (a mask of size ``N``): its per-example
+    gradients are not those of the batch's forward. None where nothing can be checked (a leaf
+    modified in place since the forward). No host sync: the tracker reads it with the
+    statistics."""
+    assert dims.values is not None and dims.versions is not None
+    parts = []
+    for k, got in zip(keep, outs, strict=True):
+        seen = dims.values[k]
+        d = dims.outputs[k]
+        if seen is None or d is None or seen._version != dims.versions[k]:
+            continue
+        if not dims.added[k]:
+            got = got.squeeze(d + 1)  # [N, ..., 1 at d, ...] -> [N, ...]
+        want = seen.movedim(d, 0)
+        if got.shape != want.shape or not want.is_floating_point():
+            continue
+        tol = torch.finfo(want.dtype).eps ** 0.5
+        scale = want.detach().abs().amax() if want.numel() else want.new_zeros(())
+        excess = (got - want).abs() - tol * (scale + want.abs())
+        parts.append(excess.nan_to_num(nan=0.0).amax() > 0)
+    return torch.stack(parts).any() if parts else None
+
+
 def _per_example_vjp(
-    module: nn.Module, names: list[str], params: tuple[torch.Tensor, ...], use: Use
+    module: nn.Module,
+    names: list[str],
+    params: tuple[torch.Tensor, ...],
+    use: Use,
+    reruns: list[torch.Tensor] | None = None,
 ) -> _Grads:
-    """``[N, *p.shape]`` per parameter: the vjp of each example's forward with its gradient."""
+    """``[N, *p.shape]`` per parameter: the vjp of each example's forward with its gradient.
+    With ``reruns`` and the batch's output in ``use.dims``, whether the re-runs reproduce it is
+    appended there (see :func:`_reruns_differ`)."""
     dims = use.dims or _batch_first_dims(use)
     grads = use.grad_output if use.dims is not None else tree_flatten(use.grad_output)[0]
     leaves, spec = tree_flatten((use.inputs, use.kwargs))
@@ -75,7 +116,9 @@ def _per_example_vjp(
     split = [i for i, d in enumerate(dims.inputs) if d is not None]
     in_dims = [dims.inputs[i] for i in split]
 
-    def one(batched: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]) -> _Grads:
+    def one(
+        batched: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]
+    ) -> tuple[_Grads, _Grads]:
         full = list(leaves)
         for i, d, t in zip(split, in_dims, batched, strict=True):
             full[i] = t.unsqueeze(d)  # type: ignore[arg-type]
@@ -88,21 +131,28 @@ def _per_example_vjp(
             out_leaves = tree_flatten(out)[0]
             return tuple(out_leaves[k] for k in keep)
 
-        _, vjp_fn = torch.func.vjp(forward, *params)[:2]
+        outs, vjp_fn = torch.func.vjp(forward, *params)[:2]
         cot = tuple(
             g if dims.added[k] else g.unsqueeze(d)  # type: ignore[arg-type]
             for k, d, g in zip(keep, out_dims, cotangents, strict=True)
         )
-        return tuple(vjp_fn(cot))
+        return tuple(vjp_fn(cot)), tuple(o.detach() for o in outs)
+
+    def checked(grads_outs: tuple[_Grads, _Grads]) -> _Grads:
+        found, outs = grads_outs
+        if reruns is not None and dims.values is not None:
+            differ = _reruns_differ(dims, keep, outs)
+            if differ is not None:
+                reruns.append(differ)
+        return found
 
     batched = tuple(leaves[i] for i in split)
     cotangents = tuple(grads[k] for k in keep)
     try:
         with warnings.catch_warnings():  # torch's note that an op runs unbatched under vmap
             warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
-            return torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)))(
-                batched, cotangents
-            )
+            both = torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)))
+            return checked(both(batched, cotangents))
     except RuntimeError as err:
         if "random" in str(err).lower():
             raise GradkitError(
@@ -121,7 +171,9 @@ def _per_example_vjp(
         )
         for i in range(n)
     ]
-    return tuple(torch.stack(parts) for parts in zip(*rows, strict=True))
+    found = tuple(torch.stack(parts) for parts in zip(*(r[0] for r in rows), strict=True))
+    outs = tuple(torch.stack(parts) for parts in zip(*(r[1] for r in rows), strict=True))
+    return checked((found, outs))
 
 
 def _packed(
@@ -191,7 +243,7 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     totals: list[torch.Tensor] | None = None
     with torch.enable_grad(), _without_onednn():
         for u in uses:
-            grads = _per_example_vjp(module, names, params, u)
+            grads = _per_example_vjp(module, names, params, u, ctx.reruns)
             totals = (
                 list(grads)
                 if totals is None
