@@ -4,6 +4,9 @@ on every convolution option; and the timed choice between them is kept per shape
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -50,6 +53,7 @@ def test_each_method_matches_the_oracle(
 
 def test_the_choice_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_conv, "_CHOICE", {})
+    monkeypatch.setattr(_conv, "_TIMING", 0.0)  # two rounds exactly
     calls: list[str] = []
     for method in ("_grouped", "_unfolded"):
         original = getattr(_conv.ConvWeightGrad, method)
@@ -69,3 +73,36 @@ def test_the_choice_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> 
     timed = 2 * 2  # two runs of each method, once
     name = "_grouped" if chosen == "grouped" else "_unfolded"
     assert len(calls) == timed + 3 and calls[timed:] == [name] * 3
+
+
+def test_small_blocks_are_timed_over_more_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The methods alternate in rounds and each keeps its best time; rounds go on while the
+    timing stays within _TIMING. Two slow first rounds of the faster method (the machine busy)
+    no longer decide, as they did with two runs of each (a fake clock: the method's run adds
+    its duration)."""
+    clock = [0.0]
+    monkeypatch.setattr(_conv.time, "perf_counter", lambda: clock[0])
+    runs: list[str] = []
+    durations: dict[str, Any] = {}
+    for method, name in (("_grouped", "grouped"), ("_unfolded", "unfold")):
+
+        def fake(self, start, stop, *scale, _name=name):  # type: ignore[no-untyped-def]
+            runs.append(_name)
+            clock[0] += next(durations[_name])
+
+        monkeypatch.setattr(_conv.ConvWeightGrad, method, fake)
+    x, g = torch.randn(4, 2, 5, 5), torch.randn(4, 3, 3, 3)
+    pe = _conv.ConvWeightGrad(nn.Conv2d(2, 3, 3), [(x, g)])
+
+    def choose(budget: float) -> str:
+        monkeypatch.setattr(_conv, "_CHOICE", {})
+        monkeypatch.setattr(_conv, "_TIMING", budget)
+        durations["grouped"] = itertools.chain([9.0, 3.0], itertools.repeat(1.0))
+        durations["unfold"] = itertools.repeat(2.0)
+        runs.clear()
+        return _conv._choose(pe, 0, 4)
+
+    assert choose(0.0) == "unfold" and runs == ["grouped", "unfold"] * 2  # two rounds only
+    # rounds of 11, 5, then 3 each: the seventh reaches 30
+    assert choose(30.0) == "grouped" and runs == ["grouped", "unfold"] * 7
+    assert choose(1000.0) == "grouped" and len(runs) == 2 * _conv._MAX_ROUNDS
