@@ -242,6 +242,120 @@ def test_the_exact_ggn_diagonal_of_a_cnn_takes_per_example_gradients():
     assert_close(d.value, dense_ggn(model, F.cross_entropy, (x, y)).diagonal())
 
 
+@pytest.mark.parametrize("problem", [ce_problem, mse_problem])
+def test_float32_exact_diagonals_and_traces_of_sequential_mlps(problem):
+    """The MLP sweep computes in float64 for a float32 model too, and returns float32."""
+    from gradkit.curvature import trace
+
+    torch.manual_seed(4)
+    model, loss_fn, batch = problem(n=16, sizes=(5, 8, 3))
+    refs = {
+        Hessian: dense_hessian(model, loss_fn, [batch]),
+        GGN: dense_ggn(model, loss_fn, batch),
+    }
+    m32 = model.float()
+    b32 = (batch[0].float(), batch[1].float() if batch[1].is_floating_point() else batch[1])
+    for op, ref in refs.items():
+        A = op(m32, loss_fn, b32)
+        d = diagonal(A).value
+        t = trace(A, method="exact").value
+        assert d.dtype == torch.float32
+        assert_close(d, ref.diagonal().float(), rtol=1e-4, atol=1e-6)
+        assert_close(t.double(), ref.trace(), rtol=1e-4, atol=1e-6)
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+class _SquaredLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight**2, self.bias)
+
+
+class _DoubledTanh(nn.Tanh):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x).repeat(1, 2)[:, : x.shape[1]] + x.flip(1).tanh()
+
+
+class _Square(nn.Module):
+    """A parametrization: the weight is the square of the parameter."""
+
+    def forward(self, w):
+        return w**2
+
+
+def _not_plain_mlp(variant: str) -> nn.Sequential:
+    """An ``nn.Sequential`` MLP one of whose layers computes something else than its torch
+    class (the closed forms of the MLP sweep do not hold for it)."""
+    first: nn.Module = nn.Linear(4, 6)
+    act: nn.Module = nn.Tanh()
+    if variant == "subclass":
+        first = _ScaledLinear(4, 6)
+    elif variant == "squared-weight":
+        first = _SquaredLinear(4, 6)
+    elif variant == "coupling-activation":
+        act = _DoubledTanh()
+    elif variant == "forward-hook":
+        first.register_forward_hook(lambda m, a, out: 2.0 * out)
+    elif variant == "forward-pre-hook":
+        first.register_forward_pre_hook(lambda m, a: (a[0].sin(),))
+    elif variant == "activation-hook":
+        act.register_forward_hook(lambda m, a, out: 0.5 * out)
+    model = nn.Sequential(first, act, nn.Linear(6, 3)).to(D)
+    if variant == "parametrized":
+        nn.utils.parametrize.register_parametrization(model[0], "weight", _Square())
+    return model
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "subclass",
+        "squared-weight",
+        "coupling-activation",
+        "forward-hook",
+        "forward-pre-hook",
+        "activation-hook",
+        "parametrized",
+        "global-hook",
+    ],
+)
+def test_exact_diagonals_of_layers_that_are_not_plain_torch_layers(variant):
+    """The MLP sweep's closed forms hold for layers computing exactly what nn.Linear and the
+    activations compute; for anything else the exact diagonal and trace take the generic
+    route and stay exact."""
+    from gradkit.curvature import trace
+
+    torch.manual_seed(3)
+    model = _not_plain_mlp(variant)
+    x, y = torch.randn(10, 4, dtype=D), torch.randint(0, 3, (10,))
+    hook = None
+    if variant == "global-hook":
+        hook = nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: 2.0 * out if isinstance(m, nn.Linear) else None
+        )
+    try:
+        H_ref = dense_hessian(model, F.cross_entropy, [(x, y)])
+        G_ref = dense_ggn(model, F.cross_entropy, (x, y))
+        g = per_example(model, F.cross_entropy, (x, y))
+        EF_ref = g.T @ g / 10
+        ops = [
+            (Hessian(model, F.cross_entropy, (x, y)), H_ref),
+            (GGN(model, F.cross_entropy, (x, y)), G_ref),
+            (Fisher(model, F.cross_entropy, (x, y), kind="empirical"), EF_ref),
+        ]
+        if variant == "global-hook":  # the Hessian's sweep; the others go per example
+            ops = ops[:1]
+        for op, ref in ops:
+            assert_close(diagonal(op).value, ref.diagonal())
+            assert_close(trace(op, method="exact").value, ref.trace())
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -117,6 +117,97 @@ def test_inplace_activation_after_a_layer_leaves_the_layer_path():
     _check(model, F.mse_loss, (x, y))
 
 
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+class _SquaredLinear(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight**2, self.bias)
+
+
+class _StandardizedConv(nn.Conv2d):
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
+class _Square(nn.Module):
+    """A parametrization: the weight is the square of the parameter."""
+
+    def forward(self, w):
+        return w**2
+
+
+def _not_plain(variant):
+    """A model one of whose Linear or Conv layers computes something else than its torch
+    class, and its batch."""
+    x, y = torch.randn(8, 4, dtype=D), torch.randint(0, 3, (8,))
+    first = nn.Linear(4, 6)
+    if variant == "subclass":
+        first = _ScaledLinear(4, 6)
+    elif variant == "squared-weight":
+        first = _SquaredLinear(4, 6)
+    elif variant == "forward-hook":
+        first.register_forward_hook(lambda m, a, out: 2.0 * out)
+    elif variant == "forward-pre-hook":
+        first.register_forward_pre_hook(lambda m, a: (a[0].sin(),))
+    elif variant == "standardized-conv":
+        model = nn.Sequential(
+            _StandardizedConv(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(27, 3)
+        ).to(D)
+        return model, (torch.randn(6, 2, 5, 5, dtype=D), torch.randint(0, 3, (6,)))
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(6, 3)).to(D)
+    if variant == "parametrized":
+        nn.utils.parametrize.register_parametrization(model[0], "weight", _Square())
+    return model, (x, y)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "subclass",
+        "squared-weight",
+        "forward-hook",
+        "forward-pre-hook",
+        "standardized-conv",
+        "parametrized",
+        "global-hook",
+    ],
+)
+def test_layers_that_are_not_plain_torch_layers_leave_the_layer_path(variant):
+    """The layer-output path recomputes a layer's output with torch's own function: only for
+    layers computing exactly that (no overridden forward, no hooks, no parametrization)."""
+    torch.manual_seed(0)
+    model, batch = _not_plain(variant)
+    hook = None
+    if variant == "global-hook":
+        hook = nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: 2.0 * out if isinstance(m, nn.Linear) else None
+        )
+    try:
+        v = _vector(model)
+        names = list(v)
+        # every parameter, and the first layer's bias with the second layer's parameters
+        for chosen in (names, [n for n in names if n[0] != "0" or n.endswith("bias")]):
+            sub = {n: v[n] for n in chosen}
+            flat_v = torch.cat([(v[n] * (n in chosen)).reshape(-1) for n in names])
+            for product, dense in (
+                (module_hvp, dense_hessian(model, F.cross_entropy, [batch])),
+                (module_ggnvp, dense_ggn(model, F.cross_entropy, batch)),
+            ):
+                got = product(model, F.cross_entropy, batch, sub)
+                assert list(got) == chosen
+                parts = (dense @ flat_v).split([v[n].numel() for n in names])
+                want = torch.cat([t for n, t in zip(names, parts, strict=True) if n in chosen])
+                torch.testing.assert_close(_flat(got, chosen), want, rtol=1e-10, atol=1e-12)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
 def test_keys_of_v_pick_the_parameters_and_frozen_ones_are_refused():
     torch.manual_seed(0)
     model, loss_fn, batch = ce_problem()

@@ -31,6 +31,7 @@ from torch import nn
 from gradkit.curvature._data import Data
 from gradkit.curvature._ggn import loss_hessian_blocks
 from gradkit.curvature._layout import Layout
+from gradkit.func._common import computes_as
 
 __all__ = ["mlp_factor_diagonal", "mlp_hessian_diagonal", "mlp_layers"]
 
@@ -55,18 +56,30 @@ ELEMENTWISE = (
 
 
 def mlp_layers(model: nn.Module) -> list[nn.Module] | None:
-    """The layers of a supported sequential MLP (``Flatten`` first at most), or None."""
-    if not isinstance(model, nn.Sequential):
+    """The layers of a supported sequential MLP (``Flatten`` first at most), or None.
+
+    Every module must compute exactly what its class in torch computes (:func:`computes_as`:
+    no subclass overriding ``forward``, no forward hooks, no parametrization), since the
+    closed forms are written for those computations; any other model takes the generic path.
+    """
+    if not computes_as(model, nn.Sequential):
         return None
     layers = list(model)
     start = 1 if layers and isinstance(layers[0], nn.Flatten) else 0
-    if start and (layers[0].start_dim != 1 or layers[0].end_dim != -1):
+    if start and (
+        not computes_as(layers[0], nn.Flatten)
+        or layers[0].start_dim != 1
+        or layers[0].end_dim != -1
+    ):
         return None
     owned = 0
     for layer in layers[start:]:
-        if isinstance(layer, nn.Linear):
+        if computes_as(layer, nn.Linear):
             owned += sum(1 for _ in layer.parameters())
-        elif not isinstance(layer, ELEMENTWISE) or next(layer.parameters(), None) is not None:
+        elif (
+            not any(computes_as(layer, act) for act in ELEMENTWISE)
+            or next(layer.parameters(), None) is not None
+        ):
             return None
     if owned != sum(1 for _ in model.parameters()):  # shared or foreign parameters
         return None
@@ -99,6 +112,7 @@ def mlp_hessian_diagonal(
             return None
         h, saved = run
         K, delta = loss_hessian_blocks(data, h, targets, max_memory=max_memory, call=call)
+        delta = delta.double()  # the blocks are float64 whatever the model's dtype
         weight = data.weight(n)
         for layer, a, derivs in reversed(saved):
             if derivs is None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from gradkit._errors import GradkitError, describe, message
+from gradkit._validate import is_batching_error
 
 __all__ = [
     "MODES",
@@ -25,10 +27,15 @@ __all__ = [
     "_name",
     "_substitute",
     "_vjp",
+    "computes_as",
     "is_transformed",
+    "unbatched_retry",
 ]
 
 MODES = ("auto", "forward", "reverse")
+
+_M = TypeVar("_M", bound=nn.Module)
+_T = TypeVar("_T")
 
 
 def _name(f: Callable[..., Any]) -> str:
@@ -208,3 +215,45 @@ def is_transformed(t: torch.Tensor) -> bool:
     be read."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return bool(check(t)) if check is not None else False
+
+
+def computes_as(module: nn.Module, base: type[_M]) -> TypeGuard[_M]:
+    """Whether ``module`` computes exactly what ``base.forward`` computes, so that a closed form
+    written for ``base`` holds for it: an instance of ``base`` whose class keeps
+    ``base.forward``, with no forward hooks or forward pre-hooks (its own or torch's global
+    module hooks) and no parametrized tensors. A subclass overriding ``forward``, a hook that
+    changes the input or output, or ``weight_norm`` fails the test."""
+    from torch.nn.modules import module as torch_module
+    from torch.nn.utils import parametrize
+
+    return (
+        isinstance(module, base)
+        and type(module).forward is base.forward
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not torch_module._global_forward_hooks
+        and not torch_module._global_forward_pre_hooks
+        and not parametrize.is_parametrized(module)
+    )
+
+
+def unbatched_retry(err: RuntimeError, first: Callable[[], _T]) -> _T:
+    """After a batched backward (``is_grads_batched=True``) failed with ``err``: ``first()``,
+    the product with the first vector alone, when the failure is the batching's, else ``err``
+    again.
+
+    A failure is the batching's when its message says so (:func:`is_batching_error`), or when
+    the product with one vector succeeds where the batched one failed: some batched backward
+    formulas mis-broadcast the batch dimension (group_norm's: "The size of tensor a (4) must
+    match the size of tensor b (2)") without naming vmap. An error the one-vector product hits
+    too is the caller's (a bad shape, a missing derivative) and is raised as it was, as is
+    running out of memory (a smaller ``chunk_size`` is the remedy there).
+    """
+    if is_batching_error(err):
+        return first()
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+        raise err
+    try:
+        return first()
+    except RuntimeError:
+        raise err from None

@@ -19,6 +19,7 @@ from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
 from gradkit._params import LossFn, select_params
 from gradkit._state import named_state
+from gradkit.func._common import computes_as
 from gradkit.func._hvp import HVPOperator
 from gradkit.func._module import _loss
 
@@ -138,12 +139,16 @@ def _layer_owners(
     model: nn.Module, chosen: Mapping[str, torch.Tensor]
 ) -> dict[nn.Module, dict[str, str]] | None:
     """``module -> {"weight"/"bias": name}`` when every chosen parameter is the weight or bias
-    of a layer whose output is linear in it (Linear, Conv), else None."""
+    of a layer whose output is linear in it (Linear, Conv), else None. The layer must compute
+    exactly what its torch class computes (:func:`computes_as`: not a subclass overriding
+    ``forward``, no forward hooks, no parametrization), as :func:`_layer_directional`
+    recomputes its output with torch's own function."""
     owners: dict[nn.Module, dict[str, str]] = {}
     for name in chosen:
         prefix, _, local = name.rpartition(".")
         module = model.get_submodule(prefix) if prefix else model
-        if not isinstance(module, _LINEAR_IN_WEIGHTS) or local not in ("weight", "bias"):
+        plain = any(computes_as(module, base) for base in _LINEAR_IN_WEIGHTS)
+        if not plain or local not in ("weight", "bias"):
             return None
         owners.setdefault(module, {})[local] = name
     return owners
