@@ -69,6 +69,23 @@ def test_every_product_route_matches_the_dense_matrices(name, vectorize):
         assert_close(torch.from_numpy(C.to_scipy().matmat(V.numpy())), ref @ V)
 
 
+def test_batched_products_through_group_norm_fall_back_to_the_loop():
+    """group_norm's batched double backward fails with a shape error that names no vmap ("The
+    size of tensor a (4) must match the size of tensor b (2)"); one vector at a time works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(36, 3)
+    ).to(D)
+    x, y = torch.randn(4, 2, 5, 5, dtype=D), torch.randint(0, 3, (4,))
+    H_ref = dense_hessian(model, F.cross_entropy, [(x, y)])
+    G_ref = dense_ggn(model, F.cross_entropy, (x, y))
+    V = torch.randn(H_ref.shape[0], 5, dtype=D)
+    for op, ref in ((Hessian, H_ref), (GGN, G_ref)):
+        C = op(model, F.cross_entropy, (x, y))
+        assert C.vectorize
+        assert_close([C @ V, C.dense()], [ref @ V, ref])
+
+
 @pytest.mark.parametrize("loss", ["mse", "ce"])
 def test_relu_network_ggn_equals_the_hessian_on_layer_blocks(loss):
     # A ReLU network is linear in each layer's (weight, bias) for a fixed activation pattern, so

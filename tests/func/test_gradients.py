@@ -236,6 +236,16 @@ def test_hessians_blocks_without_cross_terms_and_vs_torch_func():
     assert_close([hx, hz], [full[0][0], full[1][1]])
 
 
+def test_hessians_through_group_norm_fall_back_to_one_row_at_a_time():
+    """group_norm's batched double backward fails with a shape error that names no vmap."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 2, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.linspace(0.5, 1.5, 4, dtype=torch.float64)
+    f = lambda t: (nn.functional.group_norm(t, 2, w) ** 3).sum()
+    (h,) = hessians(f(x), x)
+    assert_close(h, torch.autograd.functional.hessian(f, x.detach()))
+
+
 def test_hessians_chunked_and_linear_and_unconnected():
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
     (h1,) = hessians((x.exp()).sum(), x)

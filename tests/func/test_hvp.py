@@ -144,3 +144,36 @@ def test_matmat_does_not_hide_real_errors(monkeypatch):
     monkeypatch.setattr(H, "_second_grads", boom)
     with pytest.raises(RuntimeError, match="out of memory"):
         op @ torch.eye(3)
+
+
+def _group_norm_loss(x):
+    w = torch.linspace(0.5, 1.5, 4, dtype=D)
+    return (nn.functional.group_norm(x, 2, w) ** 3).sum()
+
+
+def test_batched_products_through_group_norm_fall_back_to_the_loop():
+    """group_norm's batched double backward mis-broadcasts the batch of vectors ("The size of
+    tensor a (3) must match the size of tensor b (2)"), an error that names no vmap: the
+    product with one vector succeeds, so the columns are taken one at a time."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 2, 2, dtype=D)
+    ref = torch.autograd.functional.hessian(_group_norm_loss, x).reshape(48, 48)
+    op = hvp_operator(_group_norm_loss, x)
+    V = torch.randn(48, 5, dtype=D)
+    assert_close([op.to_dense(), op @ V], [ref, ref @ V])
+
+
+def test_an_error_of_the_single_product_too_is_raised_not_looped(monkeypatch):
+    import gradkit.func._hvp as H
+
+    op = hvp_operator(lambda x: (x**3).sum(), torch.ones(3))
+    calls = []
+
+    def boom(*a, **k):
+        calls.append(k.get("batched", False))
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (2)")
+
+    monkeypatch.setattr(H, "_second_grads", boom)
+    with pytest.raises(RuntimeError, match="The size of tensor a"):
+        op @ torch.eye(3)
+    assert calls == [True, False]  # the batched product, then one vector alone

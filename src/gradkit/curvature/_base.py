@@ -14,6 +14,7 @@ block-diagonal product costs ``B`` products of the full operator.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
@@ -28,13 +29,13 @@ from gradkit._validate import (
     check_int,
     check_number,
     check_optional_int,
-    is_batching_error,
 )
 from gradkit.curvature._data import Data, LossFn, select_params
 from gradkit.curvature._diag import unit_diagonal
 from gradkit.curvature._layout import Layout, Point, parse_blocks
 from gradkit.curvature._solve import ShiftedOperator, check_damping
 from gradkit.curvature._vectors import FlatVectors
+from gradkit.func._common import unbatched_retry
 
 __all__ = [
     "DENSE_MAX",
@@ -305,10 +306,10 @@ class CurvatureOperator(FlatVectors):
             try:
                 cols.append(point.apply_batched(block).T)
             except RuntimeError as err:
-                if not is_batching_error(err):
-                    raise
+                head = unbatched_retry(err, functools.partial(point.apply, block[0]))
                 logger.debug("%s: batched backward failed (%s); one at a time", self._call, err)
-                cols.append(torch.stack([point.apply(c) for c in block], dim=1))
+                rest = [point.apply(c) for c in block[1:]]
+                cols.append(torch.stack([head, *rest], dim=1))
         return torch.cat(cols, dim=1)
 
     # -- views ------------------------------------------------------------------------------

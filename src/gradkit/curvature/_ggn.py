@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import is_batching_error
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
 from gradkit.curvature._data import Data, find_error_nodes, forward_graph
 from gradkit.curvature._diag import factor_diagonal
+from gradkit.func._common import unbatched_retry
 
 __all__ = ["GGN", "JPoint", "LossHessian", "loss_hessian_blocks", "output_factors"]
 
@@ -160,9 +160,8 @@ class LossHessian:
         try:
             return self.apply(U, batched=True)
         except RuntimeError as err:
-            if not is_batching_error(err):
-                raise
-            return torch.stack([self.apply(u) for u in U])
+            head = unbatched_retry(err, lambda: self.apply(U[0]))
+            return torch.stack([head, *[self.apply(u) for u in U[1:]]])
 
 
 class _GGNPoint(Point):

@@ -19,6 +19,7 @@ What PyTorch's ``torch.autograd.grad`` lacks and this module adds:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -31,8 +32,8 @@ from gradkit._validate import (
     check_bool,
     check_choice,
     check_optional_int,
-    is_batching_error,
 )
+from gradkit.func._common import unbatched_retry
 
 __all__ = ["AggregationMethod", "UnconnectedGradients", "gradients", "hessians"]
 
@@ -342,6 +343,13 @@ def _flat_hessian_rows(
     eye = torch.eye(n, dtype=g.dtype, device=g.device).view(n, *g.shape)
     step = n if chunk_size is None else max(1, chunk_size)
     rows = []
+
+    def row(b: torch.Tensor) -> torch.Tensor:  # None where x is unused, as above
+        (res,) = torch.autograd.grad(
+            g, x, b, retain_graph=True, create_graph=create_graph, allow_unused=True
+        )
+        return res
+
     for start in range(0, n, step):
         basis = eye[start : start + step]
         try:
@@ -355,14 +363,8 @@ def _flat_hessian_rows(
                 is_grads_batched=True,
             )
         except RuntimeError as err:  # no batching rule: loop, like TF without pfor
-            if not is_batching_error(err):
-                raise
-            parts = [
-                torch.autograd.grad(
-                    g, x, b, retain_graph=True, create_graph=create_graph, allow_unused=True
-                )[0]
-                for b in basis
-            ]
+            parts = [unbatched_retry(err, functools.partial(row, basis[0]))]
+            parts += [row(b) for b in basis[1:]]
             r = None if parts[0] is None else torch.stack(parts)
         rows.append(torch.zeros_like(basis) if r is None else r)
     return torch.cat(rows)

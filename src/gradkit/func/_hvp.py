@@ -14,6 +14,7 @@ Convention, pinned by a test: for :math:`f(x) = \\tfrac12 x^\\top A x` the Hessi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
@@ -29,7 +30,6 @@ from gradkit._validate import (
     check_callable,
     check_choice,
     check_optional_int,
-    is_batching_error,
 )
 from gradkit.func._common import (
     _as_tuple,
@@ -38,6 +38,7 @@ from gradkit.func._common import (
     _check_scalar,
     _name,
     is_transformed,
+    unbatched_retry,
 )
 
 __all__ = ["HVPOperator", "hvp", "hvp_operator"]
@@ -309,12 +310,12 @@ class HVPOperator:
                 res = _second_grads(self._gs, self._xs, vs, batched=True)
                 cols.append(torch.cat([r.reshape(len(block), -1) for r in res], dim=1).T)
             except RuntimeError as err:
-                if not is_batching_error(err):
-                    raise
+                head = unbatched_retry(err, functools.partial(self._apply_unchecked, block[0]))
                 logger.debug(
                     "%s: vectorized backward failed (%s); one vector at a time", self._call, err
                 )
-                cols.append(torch.stack([self._apply_unchecked(c) for c in block], dim=1))
+                rest = [self._apply_unchecked(c) for c in block[1:]]
+                cols.append(torch.stack([head, *rest], dim=1))
         return torch.cat(cols, dim=1)
 
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
