@@ -57,6 +57,46 @@ def test_repeated_eigenvalues_are_found_after_an_invariant_subspace():
     assert_close(values, torch.tensor([5.0, 5.0, 5.0, 4.0], dtype=D))
 
 
+def _ordered(lam: torch.Tensor, which: str) -> torch.Tensor:
+    return {
+        "largest": lam.flip(0),
+        "smallest": lam,
+        "magnitude": lam[lam.abs().argsort(descending=True, stable=True)],
+    }[which]
+
+
+def _rotated(values: list[float]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    Q, _ = torch.linalg.qr(torch.randn(len(values), len(values), dtype=D, generator=g))
+    return Q @ torch.diag(torch.tensor(values, dtype=D)) @ Q.T
+
+
+@pytest.mark.parametrize("which", ["largest", "smallest", "magnitude"])
+def test_repeated_eigenvalues_when_the_krylov_space_is_exhausted_after_k_steps(which):
+    """The Krylov space of the start vector holds one copy of each eigenvalue; once exhausted
+    (after at least k steps) every residual is 0, yet the copies lie outside it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(D)  # MSE: 5 distinct eigenvalues, each 3 times
+    x, y = torch.randn(64, 4, dtype=D), torch.randn(64, 3, dtype=D)
+    H = Hessian(model, torch.nn.functional.mse_loss, (x, y))
+    lam = torch.linalg.eigvalsh(H.dense())
+    A = _rotated([5.0, 5.0, -5.0, -5.0, 3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    for op, ref in ((H, lam), (A, torch.linalg.eigvalsh(A))):
+        for k in (2, 3, 4):
+            values, vectors = eigenvalues(
+                op,
+                k=k,
+                which=which,
+                return_vectors=True,
+                generator=torch.Generator().manual_seed(0),
+            )
+            want = _ordered(ref, which)[:k]
+            if which == "magnitude":  # -5 and 5 tie
+                values, want = values.abs(), want.abs()
+            assert_close(values, want, rtol=1e-8, atol=1e-12)
+            assert_close(vectors.T @ vectors, torch.eye(k, dtype=D), atol=1e-8)
+
+
 def test_defaults_stop_early_and_warn_when_not_converged(hessian):
     H, ref = hessian
     count = {"n": 0}

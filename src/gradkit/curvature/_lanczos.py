@@ -12,8 +12,11 @@ Stopping: a Ritz pair ``(theta, Q y)`` has residual ``||A Q y - theta Q y|| = be
 the iteration stops when the ``k`` wanted pairs have residuals below ``tol * max|theta|``
 (each eigenvalue then lies within the residual of its Ritz value, within ``residual**2 / gap``
 once separated), or at ``max_iter``. An invariant subspace (``beta = 0``) restarts from a random
-vector orthogonal to the basis, and the iteration goes on while the newest block still gives a
-wanted value, so exactly repeated eigenvalues are found too.
+vector orthogonal to the basis, always (all residuals are 0 there, for that subspace only), and
+the iteration goes on until the newest block has converged a value that is not more wanted than
+the ``k``-th: exactly repeated eigenvalues are found with their multiplicity once the Krylov
+space of the start vector is exhausted. Before that, a single-vector Krylov space holds one copy
+of each eigenvalue, so a copy beyond the first is found only after such a restart.
 """
 
 from __future__ import annotations
@@ -75,18 +78,19 @@ def _lanczos(
         w = _orthogonalize(w, Q[: j + 1])
         b = float(torch.linalg.vector_norm(w))
         scale = max(scale, abs(float(a)) + b)
-        beta[j] = b
-        if done is not None and done(alpha[: j + 1], beta[: j + 1]):
-            break
-        if j + 1 == min(steps, n):
-            break
-        if b <= 1e-12 * max(scale, 1e-300):  # invariant subspace
-            beta[j] = 0.0
-            if gen is None:
-                break
+        exhausted = b <= 1e-12 * max(scale, 1e-300)  # an invariant subspace
+        beta[j] = 0.0 if exhausted else b
+        if exhausted and gen is not None and j + 1 < min(steps, n):
+            # every Ritz residual is 0 here, but only for the space spanned so far: the rest
+            # (another copy of a found eigenvalue included) is reached from a new vector
             r = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device)
             w = _orthogonalize(r.to(A.device), Q[: j + 1])
-            b = float(torch.linalg.vector_norm(w))
+            q = w / torch.linalg.vector_norm(w)
+            continue
+        if done is not None and done(alpha[: j + 1], beta[: j + 1]):
+            break
+        if j + 1 == min(steps, n) or exhausted:
+            break
         q = w / b
     return alpha[:m], beta[:m], Q[:m]
 
@@ -94,6 +98,51 @@ def _lanczos(
 def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     off = beta[:-1]
     return torch.diag(alpha) + torch.diag(off, 1) + torch.diag(off, -1)
+
+
+def _key(theta: torch.Tensor, which: str) -> torch.Tensor:
+    """Larger is more wanted."""
+    if which == "largest":
+        return theta
+    if which == "smallest":
+        return -theta
+    return theta.abs()
+
+
+def _certified(
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    k: int,
+    which: str,
+    rtol: float,
+    residuals: list[float],
+) -> bool:
+    """Whether the ``k`` wanted Ritz pairs of ``T = tridiag(alpha, beta)`` are eigenpairs of
+    the operator within ``rtol`` (relative to the largest Ritz value); their residuals go to
+    ``residuals``.
+
+    After a restart (``beta = 0`` where a block ended in an invariant subspace), the newest
+    block spans part of the rest of the space, which may hold further copies of the values
+    found: it must have converged its most wanted Ritz value, and that value must not be more
+    wanted than the ``k``-th one, else the iteration goes on (to the next restart when it is).
+    """
+    theta, Y = torch.linalg.eigh(_tridiagonal(alpha, beta))
+    idx = _order(theta, which)[:k]
+    tol = rtol * float(theta.abs().max())
+    res = (beta[-1] * Y[-1, idx]).abs()
+    residuals[:] = res.tolist()
+    breaks = (beta[:-1] == 0).nonzero()
+    if len(breaks):
+        start = int(breaks[-1]) + 1
+        t_new, Y_new = torch.linalg.eigh(_tridiagonal(alpha[start:], beta[start:]))
+        best = int(torch.argmax(_key(t_new, which)))
+        res_new = abs(float(beta[-1] * Y_new[-1, best]))
+        residuals.append(res_new)
+        if res_new > tol:
+            return False
+        if float(_key(t_new[best], which)) > float(_key(theta[idx[-1]], which)) + tol:
+            return False
+    return bool((res <= tol).all())
 
 
 @overload
@@ -197,23 +246,12 @@ def eigenvalues(
     def done(alpha: torch.Tensor, beta: torch.Tensor) -> bool:
         if len(alpha) < k:
             return False
-        theta, Y = torch.linalg.eigh(_tridiagonal(alpha, beta))
-        idx = _order(theta, which)[:k]
-        res = (beta[-1] * Y[-1, idx]).abs()
-        residuals[:] = res.tolist()
-        breaks = (beta[:-1] == 0).nonzero()
-        if len(breaks):  # after a restart: a wanted value in the newest block may repeat
-            start = int(breaks[-1]) + 1
-            if bool((Y[start:, idx].square().sum(0) > 0.5).any()):
-                return False
-        return bool((res <= rtol * theta.abs().max()).all())
+        return _certified(alpha, beta, k, which, rtol, residuals)
 
     alpha, beta, Q = _lanczos(A, v0, steps, gen=gen, done=done)
     theta, Y = torch.linalg.eigh(_tridiagonal(alpha, beta))
     idx = _order(theta, which)[:k]
-    converged = len(alpha) == n or bool(
-        ((beta[-1] * Y[-1, idx]).abs() <= rtol * theta.abs().max()).all()
-    )
+    converged = len(alpha) == n or _certified(alpha, beta, k, which, rtol, residuals)
     if not converged and rtol > 0:
         warnings.warn(
             f"{call}: {k} eigenvalues not converged in {len(alpha)} products (largest relative "
