@@ -233,3 +233,24 @@ def test_tensors_created_inside_the_function_are_not_captured():
 def test_decorating_a_non_callable_is_a_type_error():
     with pytest.raises(TypeError, match=r"custom_gradient\(f\): f: expected a callable"):
         custom_gradient(3)
+
+
+def test_keyword_arguments_are_passed_through_and_not_differentiated():
+    @custom_gradient
+    def scaled(x, shift, scale=2.0):
+        return x * scale + shift, lambda dy: (dy * scale, dy)
+
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    shift = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    out = scaled(x, shift, scale=3.0)
+    torch.testing.assert_close(out, x.detach() * 3 + 1)
+    gx, gshift = torch.autograd.grad(out.sum(), [x, shift])
+    torch.testing.assert_close(gx, torch.full((3,), 3.0, dtype=torch.float64))
+    torch.testing.assert_close(gshift, torch.ones(3, dtype=torch.float64))
+    g = grad(lambda t: scaled(t, shift.detach(), scale=4.0).sum())(x.detach())
+    torch.testing.assert_close(g, torch.full((3,), 4.0, dtype=torch.float64))
+    # a keyword tensor that requires grad would silently get no gradient: refused
+    with pytest.raises(TypeError, match=r"keyword argument 'shift'.*pass it by position"):
+        scaled(x, shift=shift)
+    with torch.no_grad():  # nothing is differentiated: any tensor may go by keyword
+        torch.testing.assert_close(scaled(x, shift=shift), x * 2 + 1)

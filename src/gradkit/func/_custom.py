@@ -49,6 +49,7 @@ class _Call:
     candidates: list[torch.Tensor]
     names: dict[int, str]
     needs_grad: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
     final: bool = False
     grad_fn: Callable[..., Any] | None = None
     used: list[int] = field(default_factory=list)
@@ -85,6 +86,10 @@ def custom_gradient(f: Callable[P, tuple[T, Callable[..., Any]]]) -> Callable[P,
             module's weight), ``grad_fn`` must accept the keyword ``variables``: it is called
             as ``grad_fn(*dys, variables=vs)`` with those tensors, in order of first use, and
             returns ``(input_grads, variable_grads)``, one gradient per tensor of ``vs``.
+            Keyword arguments are passed to ``f`` as they are and not differentiated:
+            ``grad_fn`` returns gradients for the positional tensor arguments only, and a
+            keyword tensor that requires grad is refused (pass it by position to
+            differentiate it).
 
     Returns:
         A function with ``f``'s signature returning ``y``, whose backward calls ``grad_fn``.
@@ -156,10 +161,11 @@ def custom_gradient(f: Callable[P, tuple[T, Callable[..., Any]]]) -> Callable[P,
         def forward(*inputs: Any) -> Any:
             call = _slots()[-1]
             args = inputs[: call.nargs]
-            exclude = {id(a) for a in args if isinstance(a, torch.Tensor)}
+            given = [*args, *call.kwargs.values()]
+            exclude = {id(a) for a in given if isinstance(a, torch.Tensor)}
             recorder = Recorder(exclude)
             with recorder if call.needs_grad else contextlib.nullcontext():
-                out = f(*args)  # type: ignore[call-arg]
+                out = f(*args, **call.kwargs)
             if not isinstance(out, tuple) or len(out) != 2 or not callable(out[1]):
                 raise TypeError(
                     message(
@@ -217,11 +223,22 @@ def custom_gradient(f: Callable[P, tuple[T, Callable[..., Any]]]) -> Callable[P,
 
     _CustomGradient.__name__ = _CustomGradient.__qualname__ = f"CustomGradient_{name}"
 
-    def wrapper(*args: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         needs_grad = torch.is_grad_enabled()
+        for key, value in kwargs.items():
+            if needs_grad and isinstance(value, torch.Tensor) and value.requires_grad:
+                raise TypeError(
+                    message(
+                        call_name,
+                        f"keyword argument {key!r}",
+                        "keyword arguments that need no gradient (they are not differentiated)",
+                        "a tensor that requires grad, whose gradient would be lost",
+                        f"pass it by position to differentiate it, or {key}=....detach()",
+                    )
+                )
         for attempt in range(2):
             candidates, names = cache.candidates(args) if needs_grad else ([], {})
-            call = _Call(len(args), candidates, names, needs_grad, final=attempt == 1)
+            call = _Call(len(args), candidates, names, needs_grad, kwargs, final=attempt == 1)
             _slots().append(call)
             try:
                 return _CustomGradient.apply(*args, *candidates)
@@ -281,9 +298,10 @@ def _backward(ctx: Any, dys: tuple[Any, ...], call_name: str) -> tuple[Any, ...]
             message(
                 call_name,
                 "grad_fn(*dys)",
-                f"{n_tensors} gradient(s), one per tensor argument",
+                f"{n_tensors} gradient(s), one per positional tensor argument",
                 f"{len(grads)}",
-                "return one gradient per tensor argument (None for none)",
+                "return one gradient per positional tensor argument (None for none; keyword "
+                "arguments are not differentiated, pass a tensor by position to differentiate it)",
             )
         )
     it = iter(grads)
