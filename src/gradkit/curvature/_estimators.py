@@ -205,7 +205,9 @@ def trace(
             What a given ``rtol`` costs depends on the spectrum, not on the method alone: the
             Hutchinson part's error is about ``sqrt(2) ||A'||_F / sqrt(m)`` for the deflated
             ``A'``, so a flat or indefinite spectrum (``||A||_F`` large against ``|tr A|``)
-            needs many probes for any estimator.
+            needs many probes for any estimator. The stopping point depends on the samples
+            (runs that overestimate ``|tr|`` stop earlier), so the adaptive estimate is biased
+            by up to the order of ``rtol``; a fixed ``probes`` is unbiased.
         max_probes: the most products in adaptive mode (default 1000).
         generator: a ``torch.Generator`` for the probes (default: seeded from the global one).
         max_size, max_memory: limits of the exact diagonal (``method="exact"``).

@@ -245,7 +245,10 @@ def hessian(
 
     Computed as ``jacrev(jacrev(f))`` on the flattened arguments with the outer Jacobian in
     chunks: on CPU this beats ``torch.func.hessian`` (forward over reverse) and the unchunked
-    form (cache effects), and bounds memory.
+    form (cache effects), and bounds memory. Under these nested transforms a
+    :func:`custom_gradient` is a constant of the outer one, so the second derivative through
+    it comes out 0: for such a function use :func:`hessians` or :func:`hvp`, which
+    differentiate twice through ``torch.autograd``.
 
     Args:
         f: function of tensors, usually scalar-valued (an output of shape ``O`` gives
