@@ -23,30 +23,30 @@ _SPLIT = "split_batch(batch, ...)"
 _EXPECTED = "a tensor, or a tuple, list or dict of tensors with the examples along dimension 0"
 
 
-def _leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(batch, torch.Tensor):
-        yield path, batch
-    elif isinstance(batch, Mapping):
+def _all_leaves(batch: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every leaf of ``batch`` (tensors, and anything not a tuple, list or dict) with its
+    path."""
+    if isinstance(batch, Mapping):
         for key, value in batch.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
+            yield from _all_leaves(value, f"{path}[{key!r}]")
     elif isinstance(batch, (tuple, list)):
         for i, value in enumerate(batch):
-            yield from _leaves(value, f"{path}[{i}]")
+            yield from _all_leaves(value, f"{path}[{i}]")
+    else:
+        yield path, batch
+
+
+def _leaves(batch: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((p, t) for p, t in _all_leaves(batch, path) if isinstance(t, torch.Tensor))
 
 
 def _arrays(batch: Any, path: str) -> Iterator[tuple[str, Any]]:
     """The leaves of ``batch`` that are arrays but not tensors (NumPy arrays and the like, with
     at least one dimension): slicing does not reach them."""
-    if isinstance(batch, torch.Tensor):
-        return
-    if isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _arrays(value, f"{path}[{key!r}]")
-    elif isinstance(batch, (tuple, list)):
-        for i, value in enumerate(batch):
-            yield from _arrays(value, f"{path}[{i}]")
-    elif hasattr(batch, "__array__") and getattr(batch, "ndim", 0) >= 1:
-        yield path, batch
+    for p, leaf in _all_leaves(batch, path):
+        array = hasattr(leaf, "__array__") and getattr(leaf, "ndim", 0) >= 1
+        if array and not isinstance(leaf, torch.Tensor):
+            yield p, leaf
 
 
 def batch_size(batch: Any, call: str = _SPLIT) -> int:
