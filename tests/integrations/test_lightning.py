@@ -117,3 +117,34 @@ def test_lightning_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path,
         tracked_window = step in (0, 2) and batch_idx % accumulation != accumulation - 1
         assert (count > 0) == tracked_window, (step, batch_idx, count)
     assert _hooks(module) == 0
+
+
+def test_a_16_mixed_gradscaler_is_divided_out_of_the_statistics(tmp_path):
+    """Under "16-mixed" the precision plugin backpropagates ``scaler.scale(loss)``: the
+    monitor's absolute numbers came out multiplied by the scale. The callback reads the
+    plugin's scaler, so a scale of 1024 gives the records of a scale of 1 (same autocast). A
+    CPU ``GradScaler`` stands in for the CUDA one."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    x, y = data()
+
+    def first_record(scale):
+        module = Module()
+        module.net = module.net.float()
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x.float(), y), batch_size=B, shuffle=False
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        monitor = GradientMonitorCallback(every=1)
+        trainer = lightning.Trainer(
+            max_steps=1, accumulate_grad_batches=2, logger=False, callbacks=[monitor],
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu", default_root_dir=str(tmp_path),
+        )  # fmt: skip
+        trainer.fit(module, loader)
+        return monitor.monitor.records[0]
+
+    plain, scaled = first_record(1.0), first_record(1024.0)
+    for key in ("grad_norm", "grad_variance", "example_norm_q50", "noise_scale"):
+        assert scaled[key] == pytest.approx(plain[key], rel=1e-5), key

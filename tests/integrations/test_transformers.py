@@ -138,3 +138,30 @@ def test_trainer_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path, a
 
 def _hooks(model):
     return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def test_an_fp16_gradscaler_is_divided_out_of_the_statistics(tmp_path):
+    """Under fp16 the accelerator backpropagates ``scaler.scale(loss)``: the monitor's absolute
+    numbers came out multiplied by the scale (the gradient norm 1024x, the variance 1024^2 x).
+    ``monitor_trainer`` passes the accelerator's scaler on, so a run with a scale of 1024 gives
+    the records of a run without one. A CPU ``GradScaler`` stands in for the CUDA one."""
+
+    def first_record(scaler):
+        model = gpt2()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+            logging_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True,
+            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
+        )
+        trainer.accelerator.scaler = scaler
+        callback = monitor_trainer(trainer, every=1)
+        trainer.train()
+        return callback.monitor.records[0]
+
+    plain = first_record(None)
+    scaled = first_record(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    for key in ("grad_norm", "grad_variance", "example_norm_q50", "noise_scale"):
+        assert scaled[key] == pytest.approx(plain[key], rel=1e-9), key

@@ -59,14 +59,19 @@ class MonitorWindow:
         self.monitor: GradientMonitor | None = None
         self._open = False
 
-    def attach(self, model: torch.nn.Module, optimizer: Any = None) -> GradientMonitor:
+    def attach(
+        self, model: torch.nn.Module, optimizer: Any = None, scaler: Any = None
+    ) -> GradientMonitor:
         """The monitor of ``model`` (a new one when the model changed); ``optimizer`` gives the
-        learning rate of the CABS batch size."""
+        learning rate of the CABS batch size; ``scaler``, the trainer's ``GradScaler`` under
+        fp16, the factor its backpropagated loss carries (read at each tracked step; a
+        ``loss_scale`` given in the options wins)."""
         if self.monitor is None or self.monitor.model is not model:
             lr_source = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-            self.monitor = GradientMonitor(
-                model, every=self.every, optimizer=lr_source, **self._options
-            )
+            options = dict(self._options)
+            if scaler is not None and options.get("loss_scale") is None:
+                options["loss_scale"] = scaler
+            self.monitor = GradientMonitor(model, every=self.every, optimizer=lr_source, **options)
         return self.monitor
 
     def start(self, step: int) -> None:

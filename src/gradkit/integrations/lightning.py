@@ -16,7 +16,9 @@ Lightning divides the loss by ``accumulate_grad_batches`` and the loss is usuall
 the micro-batch, so the monitor takes each example's share of the backpropagated loss
 (``loss_reduction="sum"``) scaled by the number of examples (``scale_to_grad=True``): the
 individual gradients' mean is the gradient in ``.grad`` before clipping, and the noise scale
-and SNR are those of the examples' own losses.
+and SNR are those of the examples' own losses. Under ``precision="16-mixed"`` the loss is also
+multiplied by the precision plugin's ``GradScaler``: its scale, read at each tracked step, is
+divided out (``loss_scale``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ class GradientMonitorCallback(Callback):
         return self.window.monitor
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self.window.attach(pl_module)
+        # under "16-mixed", the precision plugin's GradScaler multiplies the loss backpropagated
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        self.window.attach(pl_module, scaler=scaler)
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int

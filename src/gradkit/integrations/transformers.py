@@ -20,6 +20,10 @@ The Trainer normalizes the loss itself (by the window's token count when the mod
 example's share of the backpropagated loss (``loss_reduction="sum"``) scaled by the number of
 examples (``scale_to_grad=True``): the individual gradients' mean is then the gradient in
 ``.grad`` before clipping, and the noise scale and SNR are those of the examples' own losses.
+Under ``fp16`` the Trainer's accelerator also multiplies the loss by its ``GradScaler``:
+:func:`monitor_trainer` passes that scaler on (``loss_scale``), so its scale, read at each
+tracked step, is divided out; with the callback alone, pass
+``loss_scale=trainer.accelerator.scaler``.
 """
 
 from __future__ import annotations
@@ -116,6 +120,10 @@ def monitor_trainer(trainer: Any, every: int = 50, **options: Any) -> GradientMo
         trainer: a ``transformers.Trainer``.
         every, **options: as :class:`GradientMonitorCallback`.
     """
+    # under fp16 the accelerator's GradScaler multiplies the loss the Trainer backpropagates
+    scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+    if scaler is not None and options.get("loss_scale") is None:
+        options["loss_scale"] = scaler
     callback = GradientMonitorCallback(every, model=trainer.model, **options)
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback
