@@ -166,6 +166,27 @@ def test_an_undefined_ratio_is_logged_as_null(tmp_path):
     assert record["noise_scale"] is None and record["grad_norm"] == 0.0
 
 
+def test_a_step_of_one_example_logs_no_variance_instead_of_stopping(tmp_path):
+    """A last partial batch of one example (or a batch size of 1): the unbiased variance is
+    undefined. Reading it raised inside the record, which stopped a Trainer at the end of an
+    epoch; the record now has the gradient norm and null for what needs a variance."""
+    model, x, y = problem()
+    path = tmp_path / "g.jsonl"
+    monitor = GradientMonitor(model, writer=path, lr=0.1)
+    with monitor.step() as step:
+        loss = nn.functional.cross_entropy(model(x[:1]), y[:1])
+        loss.backward()
+        step.loss = float(loss.detach())
+    (record,) = read_records(path)
+    ref = per_example(model, x[:1], y[:1])
+    norm = math.sqrt(sum(float(g[0].square().sum()) for g in ref.values()))
+    assert record["examples"] == 1 and record["grad_norm"] == pytest.approx(norm, rel=1e-10)
+    for key in ("grad_variance", "noise_scale", "snr_median"):
+        assert record[key] is None, key
+    assert "cabs_batch_size" not in record
+    assert all(layer["grad_variance"] is None for layer in record["layers"].values())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [

@@ -17,6 +17,10 @@ covariance, over the ``N`` examples of the step, all ranks merged):
 
 Per layer (parameters grouped by their module's name): ``grad_norm``, ``grad_variance``,
 ``noise_scale`` and ``snr_median`` over that layer's parameters.
+
+A step of one example (a last partial batch of 1) has no variance: ``grad_variance``,
+``noise_scale``, ``snr_median`` and ``cabs_batch_size`` are then None (null), not an error that
+would stop the training.
 """
 
 from __future__ import annotations
@@ -57,11 +61,10 @@ class _Parts:
 
 
 def _parts(s: ParamStats) -> _Parts:
-    return _Parts(
-        float(s.var(unbiased=True).sum(dtype=torch.float64)),
-        float(s.mean.square().sum(dtype=torch.float64)),
-        snr_ratios(s),
-    )
+    norm2 = float(s.mean.square().sum(dtype=torch.float64))
+    if s.num_examples < 2:  # one example: no variance (NaN, logged as null), no ratios
+        return _Parts(math.nan, norm2, torch.empty(0, dtype=torch.float64))
+    return _Parts(float(s.var(unbiased=True).sum(dtype=torch.float64)), norm2, snr_ratios(s))
 
 
 def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
@@ -73,7 +76,7 @@ def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
     joined = torch.cat(ratios) if len(ratios) > 1 else (ratios[0] if ratios else None)
     return {
         "grad_norm": math.sqrt(norm2),
-        "grad_variance": trace,
+        "grad_variance": _finite(trace),
         "noise_scale": _finite(ratio(trace, norm2)),
         "snr_median": None if joined is None else _finite(float(joined.median())),
     }
@@ -101,9 +104,9 @@ def summarize(
         q = torch.quantile(norms.double().clamp_min(0).sqrt() * scale, levels)
         for level, value in zip(QUANTILES, q.tolist(), strict=True):
             record[f"example_norm_q{round(level * 100)}"] = value
-    if lr is not None and loss is not None and math.isfinite(loss) and loss > 0:
+    trace = sum(p.trace for p in parts.values()) * scale**2
+    if lr is not None and loss is not None and math.isfinite(loss * trace) and loss > 0:
         # cabs_batch_size's rule (Balles et al.): lr tr(Sigma) / loss, rounded, at least 1
-        trace = sum(p.trace for p in parts.values()) * scale**2
         record["cabs_batch_size"] = max(1, round(lr * trace / loss))
     if loss is not None:
         record["loss"] = loss
