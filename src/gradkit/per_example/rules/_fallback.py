@@ -152,7 +152,7 @@ def _per_example_vjp(
         with warnings.catch_warnings():  # torch's note that an op runs unbatched under vmap
             warnings.filterwarnings("ignore", "There is a performance drop", UserWarning)
             both = torch.func.vmap(one, in_dims=(tuple(in_dims), tuple(out_dims)))
-            return checked(both(batched, cotangents))
+            result = both(batched, cotangents)
     except RuntimeError as err:
         if "random" in str(err).lower():
             raise GradkitError(
@@ -164,6 +164,8 @@ def _per_example_vjp(
         logger.debug(
             "vmap fallback on %s failed (%s); looping over examples", type(module).__name__, err
         )
+    else:  # checked outside the try: an error of the check is not a batching failure
+        return checked(result)
     rows = [
         one(
             [t.select(d, i) for t, d in zip(batched, in_dims, strict=True)],
