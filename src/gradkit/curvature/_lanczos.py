@@ -43,12 +43,18 @@ def _orthogonalize(w: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
+def _key(theta: torch.Tensor, which: str) -> torch.Tensor:
+    """Larger is more wanted."""
     if which == "largest":
-        return torch.argsort(theta, descending=True)
+        return theta
     if which == "smallest":
-        return torch.argsort(theta)
-    return torch.argsort(theta.abs(), descending=True)
+        return -theta
+    return theta.abs()
+
+
+def _order(theta: torch.Tensor, which: str) -> torch.Tensor:
+    """Indices of ``theta``, most wanted first."""
+    return torch.argsort(_key(theta, which), descending=True)
 
 
 def _lanczos(
@@ -98,15 +104,6 @@ def _lanczos(
 def _tridiagonal(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     off = beta[:-1]
     return torch.diag(alpha) + torch.diag(off, 1) + torch.diag(off, -1)
-
-
-def _key(theta: torch.Tensor, which: str) -> torch.Tensor:
-    """Larger is more wanted."""
-    if which == "largest":
-        return theta
-    if which == "smallest":
-        return -theta
-    return theta.abs()
 
 
 def _certified(
