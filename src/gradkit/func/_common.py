@@ -9,6 +9,8 @@ from typing import Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from gradkit._errors import GradkitError, describe, message
@@ -223,9 +225,6 @@ def computes_as(module: nn.Module, base: type[_M]) -> TypeGuard[_M]:
     ``base.forward``, with no forward hooks or forward pre-hooks (its own or torch's global
     module hooks) and no parametrized tensors. A subclass overriding ``forward``, a hook that
     changes the input or output, or ``weight_norm`` fails the test."""
-    from torch.nn.modules import module as torch_module
-    from torch.nn.utils import parametrize
-
     return (
         isinstance(module, base)
         and type(module).forward is base.forward
