@@ -24,17 +24,32 @@ def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
 
-def edges_into(roots: Iterable[Any], ids: Container[int]) -> dict[int, list[Any]]:
+def edges_into(
+    roots: Iterable[Any], ids: Container[int], leaves: dict[int, Any] | None = None
+) -> dict[int, list[Any]]:
     """``id(leaf) -> [node]``: for each leaf tensor of ``ids`` (parameters) that the graphs of
     ``roots`` reach, the nodes with an edge into its gradient accumulator, one entry per edge.
     A layer's call takes each of its parameters through one such edge, so the counts tell the
-    uses of a parameter apart from its layer's calls."""
+    uses of a parameter apart from its layer's calls. ``leaves``, if given, receives
+    ``id(leaf) ->`` its accumulator node."""
     found: dict[int, list[Any]] = {}
-    for node in graph_nodes(roots):
+    seen: set[Any] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:  # graph_nodes, inlined: this walk runs at every tracked backward pass
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
         for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
             variable = getattr(nxt, "variable", None)
-            if variable is not None and id(variable) in ids:
+            if variable is None:
+                stack.append(nxt)
+            elif id(variable) in ids:
                 found.setdefault(id(variable), []).append(node)
+                if leaves is not None:
+                    leaves[id(variable)] = nxt
     return found
 
 

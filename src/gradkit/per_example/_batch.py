@@ -256,6 +256,35 @@ def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:
     return None
 
 
+def _simple_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+    layout: CallLayout,
+    model: ModelCall | None,
+    batch_first: bool,
+) -> Call | None:
+    """:func:`split_call` of the most common call, without its general walk: a rule's module
+    called on one tensor holding the model's examples in dimension 0, returning one tensor
+    that holds them in dimension 0 too (a Linear, a convolution); None for any other call."""
+    if not batch_first or kwargs or len(args) != 1 or not isinstance(output, torch.Tensor):
+        return None
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or layout.inputs != [0] or layout.output != [0]:
+        return None
+    if not output.requires_grad:
+        return None
+    n = output.shape[0]
+    if x.shape[0] != n:
+        return None
+    if model is not None:
+        model.adopt([x], layout.inputs)
+        model.confirm(n)
+        if model.trusted and model.n != n:
+            return None  # broadcast, merged or mismatched: the general path says which
+    return Call(n, (x.detach(),), {}, [], [0], [False], out_spec=flatten(output)[1])
+
+
 def split_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -270,6 +299,9 @@ def split_call(
     """Split one call (see the module docstring); ``model`` is the model call this module call
     belongs to (None: called outside it); ``leading_dims``: the rule takes inputs with any
     leading dimensions (a merged call may be reshaped for it)."""
+    simple = _simple_call(args, kwargs, output, layout, model, batch_first)
+    if simple is not None:
+        return simple
     out_leaves, out_spec = flatten(output)
     in_leaves, in_spec = flatten((args, kwargs))
     live = [

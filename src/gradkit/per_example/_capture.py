@@ -119,8 +119,9 @@ def check_pass(
     the gradient reaches any tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
     roots = backward_roots()
     nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
-    found = edges_into(nodes, params)
-    left_out = frozenset(pid for pid, into in found.items() if not _differentiates(into[0], pid))
+    accumulators: dict[int, Node] = {}
+    found = edges_into(nodes, params, accumulators)
+    left_out = frozenset(pid for pid in found if not _differentiates(accumulators[pid]))
     live: list[UseRecord] = []
     for r in records:
         try:
@@ -157,12 +158,10 @@ def check_pass(
     return left_out
 
 
-def _differentiates(node: Node, pid: int) -> bool:
-    """Whether the running backward pass computes the gradient of the parameter ``pid`` (an
-    input of ``node``): its accumulator runs (``.backward()``), or it is an input of
-    ``torch.autograd.grad``, where the engine refuses the query for a leaf it captures."""
-    acc = next(n for n, _ in node.next_functions if id(getattr(n, "variable", None)) == pid)
-    assert acc is not None
+def _differentiates(acc: Node) -> bool:
+    """Whether the running backward pass computes the gradient of the parameter whose
+    accumulator is ``acc``: the accumulator runs (``.backward()``), or the parameter is an input
+    of ``torch.autograd.grad``, where the engine refuses the query for a leaf it captures."""
     try:
         return will_execute(acc)
     except RuntimeError:

@@ -11,7 +11,14 @@ import torch
 
 from gradkit._errors import GradkitError, message
 from gradkit.per_example import _dist
-from gradkit.per_example._stats import ParamStats, PowerSums, Want
+from gradkit.per_example._stats import (
+    ParamStats,
+    PowerSums,
+    Want,
+    as_dtype,
+    merged_l2,
+    statistics_dtype,
+)
 
 __all__ = ["TrackerResults"]
 
@@ -25,6 +32,7 @@ class TrackerResults(Mapping[str, ParamStats]):
     """
 
     _names: dict[int, str]  # id(parameter) -> name
+    _pids: dict[str, int]  # name -> id(parameter), of the tracked parameters
     _accs: dict[int, PowerSums]  # id(parameter) -> its statistics
     _want: Want
     _unbiased: bool
@@ -62,10 +70,10 @@ class TrackerResults(Mapping[str, ParamStats]):
             )
 
     def __getitem__(self, name: str) -> ParamStats:
-        for pid, n in self._names.items():
-            if n == name and pid in self._accs:
-                acc = self._accs[pid]
-                return ParamStats(name, acc, self._want, self._unbiased, check=self._readable)
+        pid = self._pids.get(name) if isinstance(name, str) else None
+        if pid is not None:
+            acc = self._accs[pid]
+            return ParamStats(name, acc, self._want, self._unbiased, check=self._readable)
         tracked = [self._names[pid] for pid in self._accs]
         if isinstance(name, str) and name in self._frozen:
             why = f"no tracked parameter {name!r}: it did not require grad when track() was called"
@@ -100,16 +108,18 @@ class TrackerResults(Mapping[str, ParamStats]):
     def batch_l2(self) -> torch.Tensor:
         """``[N]``: ``||g_i||**2`` summed over all tracked parameters."""
         self._readable("batch_l2()")
-        parts = [self[name].batch_l2 for name in self]
+        accs = self._accs.values()
+        if "batch_l2" in self._want.quantities and all(acc.n for acc in accs):
+            parts = [merged_l2(acc) for acc in accs]  # checked once, not per parameter
+        else:  # the per-parameter read raises the error that names the parameter
+            parts = [self[name].batch_l2 for name in self]
         sizes = {p.shape[0] for p in parts}
         if len(sizes) != 1:
             raise GradkitError(
                 "per_example.track: batch_l2(): parameters saw different numbers "
                 f"of examples {sorted(sizes)}; read stats[name].batch_l2 instead"
             )
-        return torch.stack(
-            [p.to(torch.float64 if p.dtype == torch.float64 else torch.float32) for p in parts]
-        ).sum(0)
+        return torch.stack([as_dtype(p, statistics_dtype(p.dtype)) for p in parts]).sum(0)
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge the statistics of every rank of ``group`` (torch.distributed), in place.

@@ -32,6 +32,7 @@ __all__ = [
     "Want",
     "add_block",
     "as_dtype",
+    "merged_l2",
     "parse_want",
     "statistics_dtype",
 ]
@@ -255,6 +256,16 @@ def add_block(
     acc.n += pe.num_examples
 
 
+def merged_l2(acc: PowerSums) -> torch.Tensor:
+    """``[N]``: the squared norms of ``acc``'s examples, merged into one tensor once and kept
+    (the accumulator's own: a caller handing it out clones it)."""
+    if not acc.l2:
+        return torch.zeros(0, dtype=acc.dtype)
+    if len(acc.l2) > 1:
+        acc.l2 = [torch.cat(acc.l2)]
+    return acc.l2[0]
+
+
 class ParamStats:
     """Statistics of the individual gradients of one parameter (see the module docstring).
 
@@ -372,21 +383,21 @@ class ParamStats:
         s1 = self._sum(1, "variance", "'variance'")
         s2 = self._sum(2, "variance", "'variance'")
         n = self._acc.n
-        v = torch.addcmul(s2, s1, s1, value=-1.0 / n, out=self._out("variance"))
-        v.div_(n).clamp_min_(0)
-        if self._unbiased if unbiased is None else unbiased:
-            if n < 2:
-                raise GradkitError(
-                    message(
-                        f"stats[{self.name!r}].var(unbiased=True)",
-                        "the track block",
-                        "at least 2 examples for the unbiased variance (N/(N-1))",
-                        f"{n} example",
-                        "backpropagate more examples, or read the population variance "
-                        "var(unbiased=False)",
-                    )
+        unbiased = self._unbiased if unbiased is None else unbiased
+        if unbiased and n < 2:
+            raise GradkitError(
+                message(
+                    f"stats[{self.name!r}].var(unbiased=True)",
+                    "the track block",
+                    "at least 2 examples for the unbiased variance (N/(N-1))",
+                    f"{n} example",
+                    "backpropagate more examples, or read the population variance "
+                    "var(unbiased=False)",
                 )
-            v.mul_(n / (n - 1))
+            )
+        v = torch.addcmul(s2, s1, s1, value=-1.0 / n, out=self._out("variance"))
+        # one division: sum_i (g_i - mean)**2 over N, or over N - 1 (unbiased)
+        v.div_(n - 1 if unbiased else n).clamp_min_(0)
         return v
 
     @property
@@ -399,11 +410,7 @@ class ParamStats:
         """``[N]``: ``||g_i||**2`` over this parameter, in the order examples were seen."""
         self._tracked("batch_l2" in self._want.quantities, "batch_l2", "'batch_l2'")
         self._ready("batch_l2")
-        if not self._acc.l2:
-            return torch.zeros(0, dtype=self._acc.dtype)
-        if len(self._acc.l2) > 1:  # merge once, keep the merged tensor
-            self._acc.l2 = [torch.cat(self._acc.l2)]
-        return self._acc.l2[0].clone()
+        return merged_l2(self._acc).clone()
 
     @property
     def batch_grad(self) -> torch.Tensor:

@@ -246,6 +246,7 @@ class Tracker(TrackerResults):
                 dtype = statistics_dtype(param.dtype)
                 self._accs.setdefault(pid, PowerSums(param.shape, dtype, owner=param))
         self._tracked = {pid: self._params[pid] for pid in self._accs}
+        self._pids = {self._names[pid]: pid for pid in self._accs}
         if not self._accs:
             total = len(self._params)
             raise ValueError(
