@@ -248,3 +248,21 @@ def test_a_peer_that_raises_is_left_out_with_a_note(monkeypatch):
     note = next(n for n in result["notes"] if n.startswith("Opacus fails on this model"))
     assert "`Opacus something` raised NotImplementedError in " in note
     assert "no rule for this layer" in note
+
+
+def test_the_timed_rounds_start_after_the_convolution_methods_are_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gradkit times its convolution methods on the first tracked steps: the case runs those
+    steps before its rounds, and says so in a note."""
+    from gradkit.per_example.rules import _conv
+
+    monkeypatch.setattr(_conv, "_CHOICE", {})
+    monkeypatch.setattr(_conv, "_TRIALS", {})
+    runner = Runner(make_problem("cnn", 0, 4), peers=False)
+    case = _case(runner, "batch_l2", runner.func_grads(), "quick")
+    assert not _conv._TRIALS and len(_conv._CHOICE) == 2  # the CNN's two convolutions
+    # 2 x 8 blocks in 15 steps (one step ends one shape's timing and starts the other's),
+    # the first of them the case's first call
+    steps = 2 * _conv._RUNS * len(_conv._METHODS) - 2
+    assert any(f"{steps} steps ran before the timed rounds" in note for note in case.notes)

@@ -6,7 +6,7 @@ times kernel positions) and the output gradient ``G[n, t, g, o]``, the per-examp
 gradient is ``g_n(W) = sum_t G[n, t]^T A[n, t]`` per group and ``g_n(b) = sum_t G[n, t]``.
 It is materialized in chunks either by one grouped weight-gradient convolution (examples as
 groups) or by a batched product over unfolded patches, whichever was faster for that layer's
-shapes when first timed on this machine; squared norms use the Gram form
+shapes when timed on the first tracked steps in this process; squared norms use the Gram form
 ``<A_n A_n^T, G_n G_n^T>`` over unfolded patches when that is cheaper. The sum over positions is
 taken before any power: TensorFlow's ``gradient_moment.py`` takes ``sum_t (.)^p`` instead and
 is 31-47 % off.
@@ -14,7 +14,6 @@ is 31-47 % off.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -80,27 +79,70 @@ def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
 
 _METHODS = ("grouped", "unfold")
 _CHOICE: dict[tuple[Any, ...], str] = {}
-"""The faster way to materialize per-example weight gradients, per convolution and block shape,
-timed once on this machine (see :func:`_choose`)."""
+"""Per convolution and block shape, the faster way to materialize per-example weight gradients
+on this machine (see :func:`_choose`)."""
+_TRIALS: dict[tuple[Any, ...], _Trial] = {}
+"""The shapes not decided yet, in the order first seen: the first is being timed."""
 _FORCE: str | None = None  # tests: one method for every block
-_TIMING = 0.005
-"""Seconds of timing after which :func:`_choose` stops adding rounds (two at least)."""
-_MAX_ROUNDS = 8
+_RUNS = 4
+"""Blocks each method computes in a row while its shape is timed; the first of each run is not
+counted (one-time set-up, and the change from the other method's buffers)."""
+_WAITING = "unfold"
+"""The method of a shape waiting for its turn to be timed (the faster on most small layers)."""
+_PATIENCE = 64
+"""Blocks of waiting shapes after which the shape being timed, if it has not run since (its
+layer no longer runs), gives its turn to the next and starts over behind them."""
 
 
-def _choose(pe: ConvWeightGrad, start: int, stop: int) -> str:
-    """``"grouped"`` or ``"unfold"`` for this block. Neither wins everywhere on CPU (measured:
-    the grouped convolution is 1.5x faster on 3 -> 64 channels at 28x28 positions, 3x slower
-    on 96 -> 128 at 7x7), so the first block of each shape times both and the choice is kept:
-    alternating rounds, each method's best time, two rounds and more while they take under
-    :data:`_TIMING` (up to :data:`_MAX_ROUNDS`; two runs each picked the slower method for the
-    demo CNN's second convolution, 6 % of its step, in one process of ten). On other devices
+class _Trial:
+    """The timings of both methods for one block shape, taken on the tracked steps' own
+    blocks (each block is computed once, by one method: nothing runs only to be timed)."""
+
+    __slots__ = ("idle", "key", "runs", "times")
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.times: dict[str, list[float]] = {m: [] for m in _METHODS}
+        self.runs = 0
+        self.idle = 0  # blocks of waiting shapes since this one last ran
+
+    def method(self) -> str:
+        """The method that computes the next block."""
+        return _METHODS[self.runs // _RUNS]
+
+    def record(self, method: str, took: float) -> None:
+        """Add a block's time; once every method has run :data:`_RUNS` blocks, the faster
+        becomes the shape's choice and the next shape's timing starts."""
+        self.runs += 1
+        self.idle = 0
+        self.times[method].append(took)
+        if self.runs == _RUNS * len(_METHODS):
+            best = {m: min(ts[1:]) for m, ts in self.times.items()}
+            _CHOICE[self.key] = min(best, key=best.__getitem__)
+            del _TRIALS[self.key]
+
+
+def _choose(pe: ConvWeightGrad, start: int, stop: int) -> tuple[str, _Trial | None]:
+    """``"grouped"`` or ``"unfold"`` for this block, with the :class:`_Trial` to report its
+    time to while that shape is being timed.
+
+    Neither method wins everywhere on CPU (measured: the grouped convolution is 1.5x faster on
+    3 -> 64 channels at 28x28 positions, 3x slower on 96 -> 128 at 7x7), so each shape is timed
+    on the blocks of the first tracked steps, where they run amid the backward pass: a run of
+    :data:`_RUNS` blocks by each method, each keeping its best time but its first, and the
+    faster is kept for the rest of the process. One shape is timed at a time, the others
+    computing their blocks by :data:`_WAITING` (or their choice) meanwhile: a method's time
+    depends on what the layers around it do (on DeepOBS 3c3d the grouped convolution of the
+    second layer takes 14 ms after the third layer's grouped convolution, 24 ms after its
+    unfolded patches). Timed back to back on the first block instead, the two methods for the
+    demo CNN's second convolution came within the machine's noise of each other, and the one
+    picked in a third of the processes made its tracked step 3 to 5 % slower. On other devices
     (no timing without a synchronize) it is ``"grouped"``."""
     if _FORCE is not None:
-        return _FORCE
+        return _FORCE, None
     x, g = pe.uses[0]
     if x.device.type != "cpu":
-        return "grouped"
+        return "grouped", None
     m = pe.module
     key = (
         stop - start,
@@ -117,20 +159,21 @@ def _choose(pe: ConvWeightGrad, start: int, stop: int) -> str:
         torch.get_num_threads(),
     )
     choice = _CHOICE.get(key)
-    if choice is None:
-        runs = {"grouped": pe._grouped, "unfold": pe._unfolded}
-        best = dict.fromkeys(runs, math.inf)
-        spent, rounds = 0.0, 0
-        while rounds < 2 or (rounds < _MAX_ROUNDS and spent < _TIMING):
-            for method, run in runs.items():
-                begin = time.perf_counter()
-                run(start, stop)
-                took = time.perf_counter() - begin
-                best[method] = min(best[method], took)
-                spent += took
-            rounds += 1
-        choice = _CHOICE[key] = min(best, key=best.__getitem__)
-    return choice
+    if choice is not None:
+        return choice, None
+    trial = _TRIALS.get(key)
+    if trial is None:
+        trial = _TRIALS[key] = _Trial(key)
+    timed = next(iter(_TRIALS.values()))
+    if timed is not trial:
+        timed.idle += 1
+        if timed.idle <= _PATIENCE:
+            return _WAITING, None
+        del _TRIALS[timed.key]  # its layer stopped running: the next shape's turn
+        _TRIALS[timed.key] = _Trial(timed.key)
+        if next(iter(_TRIALS.values())) is not trial:
+            return _WAITING, None
+    return trial.method(), trial
 
 
 _WEIGHT_GRAD = {
@@ -164,10 +207,14 @@ class ConvWeightGrad(PerExampleGrad):
         self._padded = [F.pad(x, self._pads, mode=mode) if any(self._pads) else x for x, _ in uses]
 
     def _block(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
-        method = _choose(self, start, stop)
-        if method == "grouped":
-            return self._grouped(start, stop, scale)
-        return self._unfolded(start, stop, scale)
+        method, trial = _choose(self, start, stop)
+        run = self._grouped if method == "grouped" else self._unfolded
+        if trial is None:
+            return run(start, stop, scale)
+        begin = time.perf_counter()  # on the CPU: the block is computed when run returns
+        block = run(start, stop, scale)
+        trial.record(method, time.perf_counter() - begin)
+        return block
 
     def _unfolded(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
         """``sum_t G[n, t]^T A[n, t]`` per group by a batched product over unfolded patches
