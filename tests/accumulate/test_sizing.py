@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,8 +100,10 @@ def test_adaptive_bounds_smoothing_and_cabs():
     cabs = AdaptiveBatchSize(micro_batch_size=4, rule="cabs", lr=0.1, smoothing=0.0)
     stats = noisy_stats(model, 1.0)
     n = cabs.update(stats, loss=2.0)
-    want = gradkit.per_example.cabs_batch_size(stats, 0.1, 2.0, max_size=10**12)
-    assert n == min(max(-(-max(want, 1) // 4), 1), 64)
+    trace = sum(float(stats[k].var(unbiased=True).double().sum()) for k in stats)
+    want = 0.1 * trace / 2.0
+    assert cabs.history[-1]["estimate"] == pytest.approx(want, rel=1e-6)
+    assert n == min(max(math.ceil(max(want, 1) / 4), 1), 64)
     with pytest.raises(ValueError, match="lr: expected the"):
         AdaptiveBatchSize(micro_batch_size=4, rule="cabs")
     with pytest.raises(ValueError, match="loss: expected the window's loss"):
@@ -108,3 +112,20 @@ def test_adaptive_bounds_smoothing_and_cabs():
         AdaptiveBatchSize(micro_batch_size=4, rule="fast")
     with pytest.raises(ValueError, match="min_micro / max_micro"):
         AdaptiveBatchSize(micro_batch_size=4, min_micro=5, max_micro=2)
+
+
+def test_cabs_smooths_the_estimate_before_rounding():
+    """B = lr tr(Sigma) / loss is smoothed, then turned into ceil(B / micro_batch_size)
+    micro-batches: B = 2.4 takes 3 micro-batches of 1 (rounding B first gave 2)."""
+    model = mlp()
+    stats = noisy_stats(model, 1.0)
+    trace = sum(float(stats[k].var(unbiased=True).double().sum()) for k in stats)
+    ctl = AdaptiveBatchSize(micro_batch_size=1, rule="cabs", lr=2.4 / trace, max_micro=100)
+    assert ctl.update(stats, loss=1.0) == 3
+    assert ctl.history[-1]["estimate"] == pytest.approx(2.4, rel=1e-6)
+    ctl = AdaptiveBatchSize(
+        micro_batch_size=2, rule="cabs", lr=1 / trace, max_micro=100, smoothing=0.5
+    )
+    ctl.update(stats, loss=1 / 2.4)
+    assert ctl.update(stats, loss=1 / 4.4) == 2  # ceil(3.4 / 2)
+    assert ctl.history[-1]["smoothed"] == pytest.approx(3.4, rel=1e-6)  # rounded first: 3

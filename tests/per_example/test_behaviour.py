@@ -457,6 +457,13 @@ def test_derived_quantities_match_definitions():
     snr = gradkit.per_example.gradient_snr(stats)
     w = ref["weight"]
     assert snr["weight"] == pytest.approx(float((w.mean(0) ** 2 / w.var(0)).mean()), rel=1e-10)
+    # the median of an even number of entries (6 weights, 2 biases) is the mean of the middle two
+    medians = gradkit.per_example.gradient_snr(stats, reduction="median")
+    for name, g in ref.items():
+        ratio = (g.mean(0) ** 2 / g.var(0)).reshape(-1).sort().values
+        k = len(ratio) // 2
+        assert len(ratio) % 2 == 0
+        assert medians[name] == pytest.approx(float((ratio[k - 1] + ratio[k]) / 2), rel=1e-10)
     assert gradkit.per_example.cabs_batch_size(stats, lr=0.1, loss=0.5, max_size=10**6) == round(
         0.1 * tr / 0.5
     )

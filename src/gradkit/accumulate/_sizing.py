@@ -306,7 +306,8 @@ class AdaptiveBatchSize:
         A non-finite estimate (e.g. a zero mean gradient) leaves the smoothed estimate as it
         was; it is still logged in :attr:`history`.
         """
-        from gradkit.per_example import ParamStats, cabs_batch_size, noise_scale
+        from gradkit.per_example import ParamStats, noise_scale
+        from gradkit.per_example._derived import cabs_estimate
 
         call = "AdaptiveBatchSize.update(stats, loss)"
         if (
@@ -352,7 +353,7 @@ class AdaptiveBatchSize:
                     )
                 )
             assert self.lr is not None
-            estimate = float(cabs_batch_size(stats, self.lr, loss, max_size=10**12))
+            estimate = cabs_estimate(stats, self.lr, loss, None, call)
         else:
             estimate = noise_scale(stats)
         if math.isfinite(estimate):

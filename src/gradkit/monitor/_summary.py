@@ -34,7 +34,7 @@ import torch
 
 from gradkit.per_example import ParamStats
 from gradkit.per_example._derived import _ratio as ratio
-from gradkit.per_example._derived import snr_ratios
+from gradkit.per_example._derived import median, snr_ratios
 
 __all__ = ["QUANTILES", "summarize"]
 
@@ -78,7 +78,7 @@ def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
         "grad_norm": math.sqrt(norm2),
         "grad_variance": _finite(trace),
         "noise_scale": _finite(ratio(trace, norm2)),
-        "snr_median": None if joined is None else _finite(float(joined.median())),
+        "snr_median": None if joined is None else _finite(median(joined)),
     }
 
 

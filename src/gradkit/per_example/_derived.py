@@ -29,7 +29,9 @@ from gradkit.per_example._stats import ParamStats
 __all__ = [
     "ROUNDING",
     "cabs_batch_size",
+    "cabs_estimate",
     "gradient_snr",
+    "median",
     "noise_scale",
     "snr_ratios",
     "summary_table",
@@ -142,6 +144,17 @@ def snr_ratios(s: ParamStats) -> torch.Tensor:
     return (mean[ok].square() / var[ok]).reshape(-1)
 
 
+def median(values: torch.Tensor) -> float:
+    """The median of the entries of ``values``: the middle one, or the mean of the two middle
+    ones for an even count (``torch.median`` gives the lower of those two)."""
+    flat = values.reshape(-1).double()
+    n = flat.numel()
+    lower = flat.kthvalue((n + 1) // 2).values
+    if n % 2:
+        return float(lower)
+    return float((lower + flat.kthvalue(n // 2 + 1).values) / 2)
+
+
 def gradient_snr(
     stats: Mapping[str, ParamStats], names: Iterable[str] | None = None, *, reduction: str = "mean"
 ) -> dict[str, float]:
@@ -169,7 +182,7 @@ def gradient_snr(
         if not ratio.numel():
             out[s.name] = float("inf") if bool(s.mean.ne(0).any()) else float("nan")
         else:
-            out[s.name] = float(ratio.mean() if reduction == "mean" else ratio.median())
+            out[s.name] = float(ratio.mean()) if reduction == "mean" else median(ratio)
     return out
 
 
@@ -197,7 +210,6 @@ def cabs_batch_size(
         True
     """
     call = "cabs_batch_size(stats, lr, loss)"
-    check_number(lr, call, "lr", low=0, low_open=True, fix="pass the optimizer's learning rate")
     min_size = check_int(min_size, call, "min_size", low=1)
     max_size = check_optional_int(
         max_size,
@@ -206,6 +218,20 @@ def cabs_batch_size(
         low=min_size,
         fix=f"pass max_size >= min_size ({min_size}), or None",
     )
+    size = max(min_size, round(cabs_estimate(stats, lr, loss, names, call)))
+    return size if max_size is None else min(size, max_size)
+
+
+def cabs_estimate(
+    stats: Mapping[str, ParamStats],
+    lr: float,
+    loss: float | torch.Tensor,
+    names: Iterable[str] | None,
+    call: str,
+) -> float:
+    """``lr * tr(Sigma) / loss``, neither rounded nor clipped (``call`` names the caller in
+    errors)."""
+    check_number(lr, call, "lr", low=0, low_open=True, fix="pass the optimizer's learning rate")
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
         raise ValueError(
             message(
@@ -224,7 +250,7 @@ def cabs_batch_size(
     if not loss_value > 0:
         raise ValueError(
             message(
-                "cabs_batch_size(stats, lr, loss)",
+                call,
                 "loss",
                 "a positive loss value",
                 repr(loss_value),
@@ -233,9 +259,7 @@ def cabs_batch_size(
             )
         )
     tr, _ = _trace_and_norm(stats, names, call)
-    size = round(lr * tr / loss_value)
-    size = max(min_size, size)
-    return size if max_size is None else min(size, max_size)
+    return lr * tr / loss_value
 
 
 def summary_table(stats: Mapping[str, ParamStats]) -> str:
