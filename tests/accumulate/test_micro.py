@@ -200,6 +200,50 @@ def test_errors():
         pass
 
 
+def test_a_backward_outside_the_micro_steps_is_refused_in_every_window():
+    """A stray loss.backward() between two windows would be added to the next one (its
+    gradient 6 % off on a Linear); it is refused there as before the first window, and a
+    window after acc.reset() is the full batch's again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = Accumulator(model, opt)
+
+    def window() -> list[torch.Tensor]:
+        for part in acc.split((x, y), micro_batch_size=3):
+            with acc.micro_step():
+                acc.backward(F.mse_loss(model(part[0]), part[1], reduction="sum"))
+        summed = [p.grad.clone() for p in model.parameters()]  # step() divides them by 8
+        acc.step()
+        return summed
+
+    want = torch.autograd.grad(F.mse_loss(model(x), y, reduction="sum"), model.parameters())
+    assert_close(window(), list(want))
+    F.mse_loss(model(x), y).backward()  # outside any micro-step
+    with pytest.raises(GradkitError, match="already hold gradients.*acc.reset()"):
+        window()
+    acc.reset()
+    assert_close(window(), list(want))
+
+
+def test_split_batch_splits_lists_of_one_value_per_example():
+    """A string field as default_collate gives it (a list of n strings) goes with its
+    examples; per-example weights in a list too. A tuple of values, and a list of another
+    length, are shared by every micro-batch."""
+    x = torch.arange(6.0)[:, None]
+    texts = [f"t{i}" for i in range(6)]
+    batch = {"x": x, "text": texts, "w": [0.5 * i for i in range(6)], "names": ("a", "b")}
+    parts = split_batch(batch, micro_batch_size=4)
+    assert [p["text"] for p in parts] == [texts[:4], texts[4:]]
+    assert [p["w"] for p in parts] == [[0.0, 0.5, 1.0, 1.5], [2.0, 2.5]]
+    assert all(p["names"] == ("a", "b") for p in parts)
+    for p in parts:  # every value with its own example
+        assert [f"t{int(v)}" for v in p["x"][:, 0]] == p["text"]
+    shared = split_batch((x, ["a", "b", "c"]), num_micro_batches=3)
+    assert all(p[1] == ["a", "b", "c"] for p in shared)
+
+
 def test_split_batch_structures_and_errors():
     parts = split_batch({"x": torch.zeros(5, 2), "y": torch.ones(5)}, micro_batch_size=2)
     assert [p["x"].shape[0] for p in parts] == [2, 2, 1]

@@ -2,9 +2,11 @@
 examples along dimension 0): counting their examples and splitting them into micro-batches.
 
 Index legend: ``n`` examples of the batch, ``k`` micro-batches, ``*`` per-example dims.
-Every tensor of a batch is ``[n, *]`` with the same ``n``; other leaves (strings, numbers,
-``None``) are shared by every micro-batch. Arrays that are not tensors (NumPy's) are refused:
-shared, their examples would reach every micro-batch.
+Every tensor of a batch is ``[n, *]`` with the same ``n``. A list of ``n`` plain values
+(strings, numbers, ``None``: no tensor or container among them) holds one value per example,
+as ``default_collate`` makes a string field, and is split with the tensors. Other leaves are
+shared by every micro-batch (a tuple of plain values is, whatever its length). Arrays that are
+not tensors (NumPy's) are refused: shared, their examples would reach every micro-batch.
 """
 
 from __future__ import annotations
@@ -108,14 +110,29 @@ def batch_size(batch: Any, call: str = _SPLIT) -> int:
     return next(iter(sizes.values()))
 
 
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Examples ``start:stop`` of every tensor of ``batch`` (other leaves shared)."""
+def _per_example(value: Any, n: int) -> bool:
+    """Whether ``value`` is a list of ``n`` plain values (one per example: see the module
+    docstring)."""
+    return (
+        isinstance(value, list)
+        and len(value) == n
+        and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in value)
+    )
+
+
+def slice_batch(batch: Any, start: int, stop: int, n: int | None = None) -> Any:
+    """Examples ``start:stop`` of every tensor of ``batch`` and of its lists of ``n`` plain
+    values (other leaves shared); ``n``: the batch's examples (:func:`batch_size` if None)."""
+    if n is None:
+        n = batch_size(batch)
     if isinstance(batch, torch.Tensor):
         return batch[start:stop]
     if isinstance(batch, Mapping):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+        return {k: slice_batch(v, start, stop, n) for k, v in batch.items()}
+    if _per_example(batch, n):
+        return batch[start:stop]
     if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
+        return type(batch)(slice_batch(v, start, stop, n) for v in batch)
     return batch  # non-tensor leaves are shared by every micro-batch
 
 
@@ -125,9 +142,11 @@ def split_batch(
     """Split a batch into micro-batches: of ``micro_batch_size`` examples (the last may be
     shorter), or ``num_micro_batches`` parts whose sizes differ by at most one.
 
-    Every tensor of the batch must have the same number of examples ``n`` (dimension 0). No
-    micro-batch is empty: ``num_micro_batches > n`` gives ``n`` micro-batches of one example,
-    and an empty batch gives ``[]``.
+    Every tensor of the batch must have the same number of examples ``n`` (dimension 0). A
+    list of ``n`` plain values (strings, numbers, ``None``), as ``default_collate`` makes a
+    string field, is split with them; other non-tensor leaves are shared by every micro-batch.
+    No micro-batch is empty: ``num_micro_batches > n`` gives ``n`` micro-batches of one
+    example, and an empty batch gives ``[]``.
 
     Args:
         batch: a tensor ``[n, *]``, or a tuple/list/dict of them (nested is fine).
@@ -146,6 +165,9 @@ def split_batch(
         >>> [m[1].shape[0] for m in split_batch((torch.zeros(5), torch.ones(5)),
         ...                                     num_micro_batches=2)]
         [3, 2]
+        >>> [m["text"] for m in split_batch({"x": torch.zeros(3, 2), "text": ["a", "b", "c"]},
+        ...                                 micro_batch_size=2)]
+        [['a', 'b'], ['c']]
     """
     if (micro_batch_size is None) == (num_micro_batches is None):
         raise ValueError(
@@ -160,13 +182,13 @@ def split_batch(
     if micro_batch_size is not None:
         size = check_int(micro_batch_size, _SPLIT, "micro_batch_size", low=1, example=8)
         n = batch_size(batch)
-        return [slice_batch(batch, s, min(s + size, n)) for s in range(0, n, size)]
+        return [slice_batch(batch, s, min(s + size, n), n) for s in range(0, n, size)]
     parts = check_int(num_micro_batches, _SPLIT, "num_micro_batches", low=1, example=4)
     n = batch_size(batch)
     k = min(parts, n)
     out, start = [], 0
     for i in range(k):
         stop = start + n // k + (1 if i < n % k else 0)
-        out.append(slice_batch(batch, start, stop))
+        out.append(slice_batch(batch, start, stop, n))
         start = stop
     return out

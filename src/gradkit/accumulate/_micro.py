@@ -257,10 +257,9 @@ class Accumulator:
                 message(call, "last", "None, True or False", describe(last), "pass a bool")
             )
         value = resolve_count(count, pending, self.normalize, self.skip_nonfinite, call)
-        if self._micro_steps == 0 and self.windows == 0:
-            self._check_clean_start()  # later windows start clean: step() zeroes
-        if self._micro_steps == 0:
-            self._check_batchnorm()  # once per window
+        if self._micro_steps == 0:  # once per window
+            self._check_clean_start()
+            self._check_batchnorm()
         ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         ddp = find_ddp(self.model)
         if ddp is not None:
@@ -318,12 +317,24 @@ class Accumulator:
         self._backward_done = True
 
     def _check_clean_start(self) -> None:
-        stale = [p for p in self.params if p.grad is not None and bool(local(p.grad).any())]
-        if stale:
+        """Refuse a window that starts with nonzero gradients: a backward pass outside
+        :meth:`micro_step` since the last :meth:`step` (which sets them to None), or gradients
+        left before the first window, would be added to it. Only gradients that are not None
+        are read (a device sync): after a step there are none."""
+        held = [p.grad for p in self.params if p.grad is not None]
+        if held and any(bool(local(g).any()) for g in held):
             raise GradkitError(
-                "Accumulator.micro_step(): parameters already hold gradients "
-                "at the start of a window (they would be added to it); call "
-                "optimizer.zero_grad() before the first window"
+                message(
+                    "Accumulator.micro_step()",
+                    "the model's gradients",
+                    "none at the start of a window (step() sets them to None)",
+                    "parameters that already hold gradients, which would be added to this "
+                    "window: a backward pass "
+                    "outside `with acc.micro_step()` since the last acc.step(), or gradients "
+                    "left before the first window",
+                    "backpropagate only inside micro_step with acc.backward(loss); call "
+                    "acc.reset() (or optimizer.zero_grad()) to drop such gradients",
+                )
             )
 
     def _check_batchnorm(self) -> None:

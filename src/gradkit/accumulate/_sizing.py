@@ -183,17 +183,17 @@ def find_micro_batch_size(
         size = top
         while size >= 1:
             try:
-                activation_bytes(model, loss_fn, slice_batch(batch, 0, size))
+                activation_bytes(model, loss_fn, slice_batch(batch, 0, size, n))
                 return size
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 size //= 2
         raise GradkitError(f"{call}: even a micro-batch of 1 example runs out of memory")
     probe = min(top, 4)
-    per_example = activation_bytes(model, loss_fn, slice_batch(batch, 0, probe)) / probe
+    per_example = activation_bytes(model, loss_fn, slice_batch(batch, 0, probe, n)) / probe
     size = top if per_example <= 0 else max(1, min(top, int(budget // per_example)))
     while True:
-        used = activation_bytes(model, loss_fn, slice_batch(batch, 0, size))
+        used = activation_bytes(model, loss_fn, slice_batch(batch, 0, size, n))
         if used <= budget:
             return size
         if size == 1:
