@@ -395,6 +395,18 @@ ROWS = [
         ("names", "iterable of parameter names", "names=['0.weight']"),
     ),
     Case(
+        "per_example.noise_scale.one_example",
+        lambda: noise_scale(_tracked("variance", n=1)),
+        GradkitError,
+        ("noise_scale(stats, names)", "at least 2 examples", "1 example for '0.weight'"),
+    ),
+    Case(
+        "per_example.cabs_batch_size.one_example",
+        lambda: cabs_batch_size(_tracked("variance", n=1), 0.1, 1.0),
+        GradkitError,
+        ("cabs_batch_size(stats, lr, loss)", "at least 2 examples", "1 example"),
+    ),
+    Case(
         "per_example.noise_scale.stats_is_a_model",
         lambda: noise_scale(_mlp()),  # type: ignore[arg-type]
         TypeError,

@@ -75,7 +75,7 @@ def check_slices(
                 f"indices should be vector; wrap a single index as torch.tensor([i]); {fix}",
             )
         )
-    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+    if indices.dtype not in (torch.int32, torch.int64):  # uint8 would read as a mask elsewhere
         raise TypeError(
             message(call, "indices", "an int32 or int64 tensor", indices, f"cast it; {fix}")
         )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_choice, check_int, check_number, check_optional_int
 from gradkit.per_example._stats import ParamStats
 
@@ -93,6 +93,17 @@ def _select(stats: Any, names: Any, call: str) -> list[ParamStats]:
 def _trace_and_norm(stats: Any, names: Any, call: str) -> tuple[float, float]:
     tr = norm2 = 0.0
     for s in _select(stats, names, call):
+        if 0 < s.num_examples < 2:
+            raise GradkitError(
+                message(
+                    call,
+                    "stats",
+                    "statistics of at least 2 examples (the unbiased variance, N/(N-1))",
+                    f"{s.num_examples} example for {s.name!r}",
+                    "backpropagate more examples in the track block (a last batch of one "
+                    "example has no variance)",
+                )
+            )
         tr += float(s.var(unbiased=True).sum())
         norm2 += float(s.mean.double().square().sum())
     return tr, norm2
