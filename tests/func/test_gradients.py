@@ -123,6 +123,71 @@ def test_stop_on_only_path_gives_unconnected(mode):
         assert_close(g, torch.zeros(2))
 
 
+class _CustomSqrt(torch.autograd.Function):
+    """sqrt as an autograd.Function: its backward runs on zeros for an undefined gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.sqrt()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g / (2 * out)
+
+
+# {id: (x, stopped(x), y(x, s))}: behind each stop is a derivative that is infinite at x = 0,
+# where a zero gradient flowing through it would give 0 * inf = NaN
+_STOP_CASES = {
+    "sqrt": ([0.0, 4.0], torch.sqrt, lambda x, s: (s + x).sum()),
+    "log": ([0.0, 1.0], torch.log, lambda x, s: (s.exp() * 0 + x).sum()),
+    "deep": ([0.0, 1.0], lambda x: (3 * x.sqrt()).sin(), lambda x, s: (s * x + x).sum()),
+    # what the stop was computed from (2 * x) also reaches x directly
+    "shared": ([0.0, 1.0], lambda x: (2 * x).sqrt(), None),
+    "custom_function": ([0.0, 4.0], _CustomSqrt.apply, lambda x, s: (s * x + x).sum()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_STOP_CASES))
+def test_stop_gradients_equal_detach_oracle(case):
+    """Nothing flows past a stopped tensor: the gradient is that of the graph where the stop
+    is ``.detach()``ed, finite where a zero pushed through the stop would have made NaN."""
+    values, stop, combine = _STOP_CASES[case]
+    x = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    if case == "shared":
+        a = 2 * x
+        s = a.sqrt()
+        y = (s * a + a).sum()
+        x2 = x.detach().clone().requires_grad_(True)
+        a2 = 2 * x2
+        y2 = (a2.sqrt().detach() * a2 + a2).sum()
+    else:
+        s = stop(x)
+        y = combine(x, s)
+        x2 = x.detach().clone().requires_grad_(True)
+        y2 = combine(x2, stop(x2).detach())
+    (want,) = torch.autograd.grad(y2, x2)
+    assert torch.isfinite(want).all()
+    got = gradients(y, [x, s], stop_gradients=[s])
+    (want_s,) = torch.autograd.grad(y, s, retain_graph=True)  # a stopped x keeps its own
+    assert_close(got, [want, want_s])
+    assert_close(gradients(y, x, stop_gradients=s, create_graph=True), [want])
+    # the hooks are gone: without the stop, the gradient goes through it again
+    assert_close(gradients(y, x), list(torch.autograd.grad(y, x, retain_graph=True)))
+
+
+def test_stop_cut_path_with_infinite_derivative_is_unconnected():
+    x = torch.tensor([0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    s = x.sqrt()
+    assert gradients(s.sum(), x, stop_gradients=s) == [None]
+    assert_close(
+        gradients(s.sum(), x, stop_gradients=s, unconnected_gradients="zero"),
+        [torch.zeros(2, dtype=torch.float64)],
+    )
+
+
 def test_stop_multi_output_op_stops_all_outputs():
     x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
     p, q = (x * 1).split(2)  # one op, two outputs

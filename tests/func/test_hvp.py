@@ -177,3 +177,20 @@ def test_an_error_of_the_single_product_too_is_raised_not_looped(monkeypatch):
     with pytest.raises(RuntimeError, match="The size of tensor a"):
         op @ torch.eye(3)
     assert calls == [True, False]  # the batched product, then one vector alone
+
+
+@pytest.mark.parametrize("method", ["auto", "reverse_over_reverse", "forward_over_reverse"])
+def test_hvp_of_expanded_input_equals_dense_hessian(method):
+    """Forward over reverse lays its tangent out like the primal, which shares memory here."""
+    torch.manual_seed(0)
+    x = torch.randn(3, dtype=D).expand(2, 3)
+    f = lambda x: (x**3).sum() + x.prod()
+    v = torch.randn(2, 3, dtype=D)
+    want = (torch.autograd.functional.hessian(f, x).reshape(6, 6) @ v.reshape(6)).reshape(2, 3)
+    assert_close(hvp(f, x, v, method=method)[1], want)
+    assert_close(torch.func.vmap(lambda v: hvp(f, x, v)[1])(v[None])[0], want)
+
+
+def test_integer_function_is_refused():
+    with pytest.raises(TypeError, match=r"hvp\(<lambda>\): f: expected a function returning "):
+        hvp(lambda x: (x > 0).sum(), torch.ones(2, dtype=D), torch.ones(2, dtype=D))

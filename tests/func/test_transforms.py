@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradkit import GradkitError
 from gradkit.func import (
     batch_jacobian,
     grad,
@@ -268,3 +269,92 @@ def test_hessian_errors():
         hessian(
             lambda a, b: a.sum() + b.sum(), torch.ones(2), torch.ones(2, dtype=D), argnums=(0, 1)
         )
+
+
+# -- inputs whose elements share memory -------------------------------------------------------
+
+
+def _overlapping_inputs():
+    """{id: input}: an expanded tensor (stride 0) and an as_strided view of overlapping
+    windows; each logical element is its own variable."""
+    torch.manual_seed(0)
+    return {
+        "expanded": torch.randn(3, dtype=D).expand(2, 3),
+        "as_strided": torch.randn(4, dtype=D).as_strided((3, 2), (1, 1)),
+    }
+
+
+_OVERLAP_FUNCTIONS = {
+    "repeat": lambda x: x.repeat(4, 2),  # more outputs than inputs: auto picks forward
+    "sum0": lambda x: (x * 2).sum(0),
+    "nonlinear": lambda x: (x.sin() * x.prod()).repeat(2, 3),
+}
+
+
+@pytest.mark.parametrize("x_id", ["expanded", "as_strided"])
+@pytest.mark.parametrize("f_id", sorted(_OVERLAP_FUNCTIONS))
+@pytest.mark.parametrize("mode", ["auto", "forward"])
+def test_jacobian_of_overlapping_input_equals_reverse_mode(x_id, f_id, mode):
+    x, f = _overlapping_inputs()[x_id], _OVERLAP_FUNCTIONS[f_id]
+    want = torch.autograd.functional.jacobian(f, x)
+    assert_close(jacobian(f, x, mode="reverse"), want)
+    assert_close(jacobian(f, x, mode=mode), want)
+    assert_close(jacobian(f, x, mode=mode, vectorize=False), want)
+
+
+@pytest.mark.parametrize("x_id", ["expanded", "as_strided"])
+def test_jvp_and_batch_jacobian_of_overlapping_input(x_id):
+    x = _overlapping_inputs()[x_id]
+    f = _OVERLAP_FUNCTIONS["nonlinear"]
+    v = torch.randn(x.shape, dtype=D)
+    full = torch.autograd.functional.jacobian(f, x)
+    value, jv = jvp(f, x, v)
+    assert_close(value, f(x))
+    assert_close(jv, (full.reshape(-1, v.numel()) @ v.reshape(-1)).reshape(value.shape))
+    g = lambda x: (x.sin() * 3).repeat(1, 2)  # rows to rows
+    per_row = torch.autograd.functional.jacobian(g, x)
+    want = torch.stack([per_row[i, :, i] for i in range(x.shape[0])])
+    for mode in ("auto", "forward", "reverse"):
+        assert_close(batch_jacobian(g, x, mode=mode), want)
+
+
+@pytest.mark.parametrize("x_id", ["expanded", "as_strided"])
+def test_hessian_of_overlapping_input(x_id):
+    x = _overlapping_inputs()[x_id]
+    f = lambda x: (x**3).sum() + x.prod()
+    assert_close(hessian(f, x), torch.autograd.functional.hessian(f, x))
+
+
+# -- outputs without a derivative -------------------------------------------------------------
+
+
+_INTEGER_OUTPUT = (
+    r"f: expected a function returning floating-point or complex tensors, got an output of "
+    r"dtype torch.int64; return the floating-point value"
+)
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+def test_integer_output_is_refused_in_every_mode(mode):
+    x = torch.randn(2, 3, dtype=D)
+    f = lambda x: (x > 0).long()
+    with pytest.raises(TypeError, match=r"jacobian\(<lambda>\): " + _INTEGER_OUTPUT):
+        jacobian(f, x, mode=mode)
+    with pytest.raises(TypeError, match=r"batch_jacobian\(<lambda>\): " + _INTEGER_OUTPUT):
+        batch_jacobian(f, x, mode=mode)
+    with pytest.raises(TypeError, match=r"vjp\(<lambda>\): " + _INTEGER_OUTPUT):
+        vjp(f, x, torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"hessian\(<lambda>\): " + _INTEGER_OUTPUT):
+        hessian(lambda x: (x > 0).long().sum(), x)
+    with pytest.raises(TypeError, match=r"jacobian\(<lambda>\): .* dtype torch.bool"):
+        jacobian(lambda x: x > 0, x, mode=mode)
+
+
+def test_torch_errors_about_f_name_the_call():
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(GradkitError, match=r"jacobian\(<lambda>\): f: expected a determin"):
+        jacobian(lambda x: torch.nn.functional.dropout(x, 0.5).repeat(2), x, mode="forward")
+    with pytest.raises(GradkitError, match=r"batch_jacobian\(<lambda>\): .*mode='reverse'"):
+        batch_jacobian(lambda x: torch.nn.functional.dropout(x, 0.5).repeat(1, 3), x[:, None])
+    with pytest.raises(GradkitError, match=r"jacobian\(<lambda>\): f: .* in place"):
+        jacobian(lambda x: x.mul_(2), x.clone(), mode="reverse")

@@ -20,15 +20,18 @@ __all__ = [
     "MODES",
     "_as_tuple",
     "_check_differentiable",
+    "_check_floating_output",
     "_check_like",
     "_check_scalar",
     "_check_tensor_output",
     "_check_tensor_tree",
+    "_checked_output",
     "_checked_outputs",
     "_mutation_errors",
     "_name",
     "_substitute",
     "_vjp",
+    "_without_overlap",
     "computes_as",
     "is_transformed",
     "unbatched_retry",
@@ -78,25 +81,55 @@ def _substitute(
 
 @contextlib.contextmanager
 def _mutation_errors(call: str) -> Iterator[None]:
-    """Word torch.func's error about a function that mutates a tensor it captures."""
+    """Word torch's errors about what ``f`` does that no transform can differentiate, which
+    name neither the call nor a remedy: mutating a tensor it captures or its argument in
+    place, drawing random numbers under ``vmap``. Other errors pass unchanged."""
     try:
         yield
     except RuntimeError as err:
-        if "mutate a captured Tensor" not in str(err):
-            raise
-        raise GradkitError(
-            f"{call}: f: expected a function that changes no tensor it captures, got one that "
-            "modifies a captured tensor in place (e.g. BatchNorm updating its running "
-            "statistics in training mode), which torch.func transforms cannot differentiate; "
-            "put such modules in eval mode (model.eval()), or call the model with "
-            "torch.func.functional_call and copies of its buffers"
-        ) from err
+        text = str(err)
+        if "mutate a captured Tensor" in text:
+            raise GradkitError(
+                f"{call}: f: expected a function that changes no tensor it captures, got one "
+                "that modifies a captured tensor in place (e.g. BatchNorm updating its running "
+                "statistics in training mode), which torch.func transforms cannot "
+                "differentiate; put such modules in eval mode (model.eval()), or call the "
+                "model with torch.func.functional_call and copies of its buffers"
+            ) from err
+        if "leaf Variable that requires grad is being used in an in-place operation" in text:
+            raise GradkitError(
+                f"{call}: f: expected a function that leaves its arguments unchanged, got one "
+                "that modifies an argument (or a captured tensor that requires grad) in place "
+                "(e.g. x.mul_(2)), which autograd refuses to differentiate; compute out of "
+                "place (x * 2) or on a copy (x.clone().mul_(2))"
+            ) from err
+        if "called random operation while in randomness error mode" in text:
+            raise GradkitError(
+                f"{call}: f: expected a deterministic function, got one that draws random "
+                "numbers (e.g. dropout in training mode) while forward mode pushes its "
+                "tangents through it in one vmap, each with its own draw; make f deterministic "
+                "(model.eval()), or pass mode='reverse', which runs f once (one draw)"
+            ) from err
+        raise
 
 
 def _vjp(f: Callable[..., Any], *primals: torch.Tensor) -> tuple[Any, Callable[..., Any]]:
     """``torch.func.vjp`` without auxiliary output: ``(f(*primals), vjp_fn)``."""
     res = torch.func.vjp(f, *primals)
     return res[0], res[1]
+
+
+def _without_overlap(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a dense copy of it when several of its elements share memory (an ``expand``ed
+    tensor, stride 0), for forward mode: ``torch.func.jvp`` lays a tangent out like its primal
+    and writes it there, which raises for such a tensor (or, for overlapping ``as_strided``
+    views, silently writes one element over another). The copy makes each element its own
+    variable, as reverse mode treats them; a contiguous tensor is returned as it is."""
+    if t.is_contiguous():
+        return t
+    if not is_transformed(t) and torch._debug_has_internal_overlap(t) == 0:
+        return t  # non-overlapping (a transposed or sliced view): nothing to copy
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_tensor_output(out: Any, call: str) -> torch.Tensor:
@@ -129,12 +162,46 @@ def _check_tensor_tree(value: Any, call: str, argument: str, expected: str) -> N
         )
 
 
-def _checked_outputs(f: Callable[..., Any], call: str) -> Callable[..., Any]:
-    """``f`` with its outputs checked to be tensors (or tuples of them)."""
+def _check_floating_output(out: Any, call: str) -> None:
+    """Raise a TypeError for an integer or boolean output of ``f``, before reverse mode does
+    with an error that names ``torch.func.vjp`` instead of the call: such an output is
+    piecewise constant and carries no gradient to propagate."""
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                message(
+                    call,
+                    "f",
+                    "a function returning floating-point or complex tensors",
+                    f"an output of dtype {leaf.dtype}",
+                    "return the floating-point value it is computed from, or convert it with "
+                    ".double()/.float() (its derivative is then zero wherever it exists)",
+                )
+            )
+
+
+def _checked_outputs(
+    f: Callable[..., Any], call: str, *, floating: bool = False
+) -> Callable[..., Any]:
+    """``f`` with its outputs checked to be tensors (or tuples of them), and with
+    ``floating``, floating-point or complex ones."""
 
     def g(*args: Any) -> Any:
         out = f(*args)
         _check_tensor_tree(out, call, "f", "a function returning a tensor or a tuple of tensors")
+        if floating:
+            _check_floating_output(out, call)
+        return out
+
+    return g
+
+
+def _checked_output(f: Callable[..., Any], call: str) -> Callable[..., torch.Tensor]:
+    """``f`` with its output checked to be one floating-point or complex tensor."""
+
+    def g(*args: Any) -> torch.Tensor:
+        out = _check_tensor_output(f(*args), call)
+        _check_floating_output(out, call)
         return out
 
     return g

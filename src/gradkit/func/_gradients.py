@@ -8,7 +8,10 @@ What PyTorch's ``torch.autograd.grad`` lacks and this module adds:
 
 * ``grad_ys`` default to ones for non-scalar ``ys`` (PyTorch only fills them in for scalars);
 * ``stop_gradients``: tensors treated as constants *after* the graph was built (partial
-  derivatives), by pre-hooks on their ``grad_fn`` that are removed before returning;
+  derivatives), by hooks that are removed before returning: the stopped ``grad_fn`` receives
+  no gradient (undefined, not zeros), and every node that only a stop leads to passes none on,
+  so nothing behind a stop is added into the ``xs`` (zeros would be: ``0 * inf`` is NaN at a
+  ``sqrt`` or ``log`` at 0);
 * ``unconnected_gradients``: ``None`` (TF's default) or zeros for ``xs`` that ``ys`` do not reach,
   decided by a reachability walk of the graph, so a path cut by a stop gives ``None``, not 0;
 * integer-valued paths are constant (no exception), as in TF;
@@ -94,8 +97,9 @@ def _edge(t: torch.Tensor) -> _Edge | None:
     return edge.node, edge.output_nr
 
 
-def _reached_edges(roots: Sequence[torch.Tensor], stops: set[Node]) -> set[_Edge]:
-    """Every edge a gradient from ``roots`` can flow into, not propagating past ``stops``.
+def _reached_edges(roots: Sequence[torch.Tensor], stops: set[Node]) -> tuple[set[_Edge], set[Node]]:
+    """Every edge a gradient from ``roots`` can flow into, not propagating past ``stops``, and
+    the nodes it flows through.
 
     A stopped tensor's own edge is reached (TF reports the gradient *at* a stopped ``x``); only
     what lies behind it is cut.
@@ -117,13 +121,47 @@ def _reached_edges(roots: Sequence[torch.Tensor], stops: set[Node]) -> set[_Edge
             if nxt is not None:
                 reached.add((nxt, nr))
                 stack.append(nxt)
-    return reached
+    return reached, seen
 
 
-def _zero_pre_hook(
-    grad_outputs: tuple[torch.Tensor | None, ...],
-) -> tuple[torch.Tensor | None, ...]:
-    return tuple(None if g is None else torch.zeros_like(g) for g in grad_outputs)
+def _behind_stops(stops: set[Node], seen: set[Node]) -> set[Node]:
+    """The nodes that gradients reach only through ``stops`` (``seen``: those reached without
+    passing one)."""
+    behind: set[Node] = set()
+    stack = [nxt for node in stops for nxt, _ in node.next_functions if nxt is not None]
+    while stack:
+        node = stack.pop()
+        if node in behind or node in seen or node in stops:
+            continue
+        behind.add(node)
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return behind
+
+
+def _no_grad_in(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[None, ...]:
+    """Pre-hook of a stopped node: it receives no gradient, so a generated backward computes
+    nothing (zeros would be multiplied by its local derivative, and ``0 * inf`` is NaN)."""
+    return (None,) * len(grad_outputs)
+
+
+def _no_grad_out(
+    grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: tuple[torch.Tensor | None, ...]
+) -> tuple[None, ...]:
+    """Post-hook of a node at or behind a stop: it passes no gradient on, even a custom
+    ``autograd.Function``, which runs its backward on zeros for an undefined gradient."""
+    return (None,) * len(grad_inputs)
+
+
+@contextlib.contextmanager
+def _stopped(stops: set[Node], seen: set[Node]) -> Iterator[None]:
+    """Cut every path through ``stops`` while the block runs (hooks removed on exit)."""
+    handles = [n.register_prehook(_no_grad_in) for n in stops]
+    try:
+        handles += [n.register_hook(_no_grad_out) for n in stops | _behind_stops(stops, seen)]
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _default_grad_ys(ys: list[torch.Tensor], grad_ys: Any, call: str) -> list[torch.Tensor]:
@@ -305,26 +343,21 @@ def gradients(
         if y.requires_grad and (y.is_floating_point() or y.is_complex())
     ]
     stop_nodes = {s.grad_fn for s in stop_list if s.grad_fn is not None}
-    reached = _reached_edges([y for y, _ in pairs], stop_nodes)
+    reached, seen = _reached_edges([y for y, _ in pairs], stop_nodes)
     x_edges = [_edge(x) if (x.is_floating_point() or x.is_complex()) else None for x in x_list]
     wanted = [i for i, e in enumerate(x_edges) if e is not None and e in reached]
 
     results: list[torch.Tensor | None] = [None] * len(x_list)
     if wanted:
-        handles = [n.register_prehook(_zero_pre_hook) for n in stop_nodes]
-        try:
-            with _freed_graph(call):
-                grads = torch.autograd.grad(
-                    [y for y, _ in pairs],
-                    [x_list[i] for i in wanted],
-                    grad_outputs=[g for _, g in pairs],
-                    retain_graph=retain_graph or create_graph,
-                    create_graph=create_graph,
-                    allow_unused=True,
-                )
-        finally:
-            for h in handles:
-                h.remove()
+        with _stopped(stop_nodes, seen), _freed_graph(call):
+            grads = torch.autograd.grad(
+                [y for y, _ in pairs],
+                [x_list[i] for i in wanted],
+                grad_outputs=[g for _, g in pairs],
+                retain_graph=retain_graph or create_graph,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
         for i, g in zip(wanted, grads, strict=True):
             results[i] = g.coalesce() if g is not None and g.is_sparse else g
     if unconnected_gradients == "zero":

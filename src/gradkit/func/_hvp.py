@@ -34,9 +34,11 @@ from gradkit._validate import (
 from gradkit.func._common import (
     _as_tuple,
     _check_differentiable,
+    _check_floating_output,
     _check_like,
     _check_scalar,
     _name,
+    _without_overlap,
     is_transformed,
     unbatched_retry,
 )
@@ -110,14 +112,16 @@ def hvp(
 
         value = f(*primals)
         _check_scalar(value, call)
+        _check_floating_output(value, call)
         load_decompositions()
-        hv = torch.func.jvp(grad_f, primals, vs)[1]
+        hv = torch.func.jvp(grad_f, tuple(_without_overlap(p) for p in primals), vs)[1]
         res = list(hv)
     else:
         with torch.enable_grad():
             xs = [p.detach().requires_grad_(True) for p in primals]
             value = f(*xs)
             _check_scalar(value, call)
+            _check_floating_output(value, call)
             gs = torch.autograd.grad(value, xs, create_graph=True, allow_unused=True)
             res = _second_grads(gs, xs, vs, retain_graph=False)
         value = value.detach()
@@ -184,6 +188,7 @@ class HVPOperator:
         chunk_size = check_optional_int(chunk_size, call, "chunk_size")
         vectorize = check_bool(vectorize, call, "vectorize", optional=True)
         _check_scalar(value, call)
+        _check_floating_output(value, call)
         _check_one_dtype(xs, call)
         self._xs = list(xs)
         self._gs = torch.autograd.grad(value, self._xs, create_graph=True, allow_unused=True)

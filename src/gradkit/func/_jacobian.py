@@ -35,10 +35,12 @@ from gradkit.func._common import (
     MODES,
     _check_differentiable,
     _check_tensor_output,
+    _checked_output,
     _mutation_errors,
     _name,
     _substitute,
     _vjp,
+    _without_overlap,
 )
 from gradkit.func._independence import check_rows_independent
 
@@ -69,6 +71,7 @@ def _forward_cols(
     g: Callable[..., Any], primals: Sequence[torch.Tensor], chunk_size: int | None, vectorize: bool
 ) -> tuple[torch.Tensor, ...]:
     """Jacobian blocks from ``n`` JVPs: one [*O, *X] block per primal."""
+    primals = tuple(_without_overlap(p) for p in primals)
     sizes = [p.numel() for p in primals]
     n = sum(sizes)
     tangents = []
@@ -82,7 +85,8 @@ def _forward_cols(
     load_decompositions()
 
     def push(*t: torch.Tensor) -> torch.Tensor:
-        return _check_tensor_output(torch.func.jvp(g, tuple(primals), t)[1], "jacobian(f)")
+        out: torch.Tensor = torch.func.jvp(g, tuple(primals), t)[1]
+        return out
 
     if vectorize:
         cols = vmap(push, chunk_size=chunk_size)(*tangents)
@@ -197,7 +201,14 @@ def jacobian(
             operations that ``torch.func.vmap`` cannot batch.
 
     Returns:
-        A tensor of shape ``O + X`` (or a tuple of them for a tuple ``argnums``).
+        A tensor of shape ``O + X`` (or a tuple of them for a tuple ``argnums``). Every mode
+        gives the same Jacobian; an argument whose elements share memory (``expand``) is
+        differentiated element by element, forward mode working on a dense copy of it.
+
+    Raises:
+        TypeError: ``f`` returns an integer or boolean tensor (no derivative to propagate).
+        GradkitError: ``f`` draws random numbers (dropout in training mode) in forward mode,
+            which runs it once per tangent under ``vmap``; ``mode="reverse"`` runs it once.
 
     Examples:
         TensorFlow's ``GradientTape.jacobian`` example:
@@ -215,7 +226,7 @@ def jacobian(
     check_bool(vectorize, call, "vectorize")
     nums = normalize_argnums(argnums, len(args), call)
     _check_differentiable(args, nums, call)
-    g = _substitute(f, args, nums)
+    g = _checked_output(_substitute(f, args, nums), call)
     primals = tuple(args[i] for i in nums)
     key = _shape_key(f, args, nums)
     with _mutation_errors(call):
@@ -317,8 +328,7 @@ def batch_jacobian(
             )
         )
     with _mutation_errors(call):
-        out, vjp_fn = _vjp(f, x)
-    out = _check_tensor_output(out, call)
+        out, vjp_fn = _vjp(_checked_output(f, call), x)
     if out.dim() == 0 or out.shape[0] != x.shape[0]:
         raise ValueError(
             message(
@@ -338,12 +348,14 @@ def batch_jacobian(
     else:
         basis = torch.eye(n, dtype=x.dtype, device=x.device).view(n, 1, *x_shape)
         load_decompositions()
+        x_dense = _without_overlap(x)
 
         def push(t: torch.Tensor) -> torch.Tensor:
-            return torch.func.jvp(f, (x,), (t,))[1]
+            return torch.func.jvp(f, (x_dense,), (t,))[1]
 
         try:
-            cols = vmap(push, chunk_size=chunk_size)(basis.expand(n, b, *x_shape))
+            with _mutation_errors(call):
+                cols = vmap(push, chunk_size=chunk_size)(basis.expand(n, b, *x_shape))
         except NotImplementedError as err:  # e.g. an autograd.Function without jvp
             if mode == "forward":
                 raise

@@ -26,6 +26,7 @@ from gradkit._validate import (
 from gradkit.func._common import (
     _as_tuple,
     _check_differentiable,
+    _check_floating_output,
     _check_like,
     _check_scalar,
     _check_tensor_tree,
@@ -34,6 +35,7 @@ from gradkit.func._common import (
     _name,
     _substitute,
     _vjp,
+    _without_overlap,
 )
 from gradkit.func._jacobian import batch_jacobian, jacobian
 
@@ -173,8 +175,9 @@ def jvp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
     tangents, _ = _as_tuple(v, call, "v")
     _check_like(tangents, primals, call, "v", "argument")
     load_decompositions()
+    dense = tuple(_without_overlap(p) for p in primals)
     with _mutation_errors(call):
-        out, tangent_out = torch.func.jvp(_checked_outputs(f, call), primals, tangents)[:2]
+        out, tangent_out = torch.func.jvp(_checked_outputs(f, call), dense, tangents)[:2]
     return out, tangent_out
 
 
@@ -210,7 +213,7 @@ def vjp(f: Callable[..., Any], args: Any, v: Any) -> tuple[Any, Any]:
     primals, was_seq = _as_tuple(args, call, "args")
     _check_differentiable(primals, range(len(primals)), call, argnums=False)
     with _mutation_errors(call):
-        out, vjp_fn = _vjp(_checked_outputs(f, call), *primals)
+        out, vjp_fn = _vjp(_checked_outputs(f, call, floating=True), *primals)
     outs, _ = _as_tuple(out, call, "f(*args)")
     cots, _ = _as_tuple(v, call, "v")
     _check_like(cots, outs, call, "v", "output")
@@ -292,7 +295,9 @@ def hessian(
 
     def flat_f(v: torch.Tensor) -> Any:
         parts = [t.view(p.shape) for t, p in zip(v.split(sizes), primals, strict=True)]
-        return _substitute(f, args, nums)(*parts)
+        out = _substitute(f, args, nums)(*parts)
+        _check_floating_output(out, call)
+        return out
 
     v0 = torch.cat([p.reshape(-1) for p in primals])
     chunk = chunk_size if chunk_size is not None else min(v0.numel(), _DEFAULT_HESSIAN_CHUNK)
