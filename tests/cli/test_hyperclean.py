@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.cpu_only  # the CLI runs its own jobs
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ["weights_histogram.png", "outer_loss.png", "accuracy.png"]
 KEYS = ("baseline_accuracy", "oracle_accuracy", "cleaned_accuracy", "f1", "precision", "recall")
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "hyper.md"
 
 
 @contextlib.contextmanager
@@ -92,6 +94,34 @@ def test_quick_run_cleans(results: dict[str, Any]) -> None:
     assert len(history["outer_loss"]) == results["config"]["hyper_steps"] == QUICK_HYPER_STEPS
     assert history["outer_loss"][-1] < 0.8 * history["outer_loss"][0]
     assert results["config"]["inner_steps"] == 100
+
+
+def test_docs_quote_the_quick_run(results: dict[str, Any]) -> None:
+    """docs/hyper.md states what ``--quick`` runs and what it gives: both come from this run
+    (the accuracies are counts over 899 test examples, so four decimals are exact)."""
+    text = " ".join(DOCS.read_text(encoding="utf-8").split())
+    config = results["config"]
+    settings = re.search(
+        r"`--quick`: T = (\d+), (\d+) hyper-steps, hyper learning rate ([\d.]+),", text
+    )
+    assert settings is not None, "docs/hyper.md no longer states the --quick settings"
+    assert settings.groups() == (
+        str(config["inner_steps"]),
+        str(config["hyper_steps"]),
+        f"{config['hyper_lr']:g}",
+    )
+    quoted = re.search(
+        r"`gradkit hyperclean --quick` \(T = (\d+), (\d+) hyper-steps, hyper learning rate "
+        r"([\d.]+), [^)]*\) gives ([\d.]+) / ([\d.]+) / ([\d.]+) and F1 ([\d.]+)\.",
+        text,
+    )
+    assert quoted is not None, "docs/hyper.md no longer quotes the --quick results"
+    accuracies = ("baseline_accuracy", "oracle_accuracy", "cleaned_accuracy")
+    assert quoted.groups() == (
+        *settings.groups(),
+        *(f"{results[k]:.4f}" for k in accuracies),
+        f"{results['f1']:.3f}",
+    )
 
 
 def test_report_has_the_table_and_every_figure(quick_run: tuple[Path, Path, str]) -> None:

@@ -31,7 +31,6 @@ from gradkit.hyper._problem import (
     HyperResult,
     check_hyper,
     check_steps,
-    unused_error,
 )
 from gradkit.hyper._tangents import Direction, advance, read, start
 
@@ -109,9 +108,7 @@ def forward(
             if tangent is not None:
                 reached[j] = True
                 flat[j][i] = tangent.to(flat[j].dtype)
-    for name, h, ok in zip(names, hypers, reached, strict=True):
-        if not ok and h.numel() > 0:
-            raise unused_error(call, name)
+    dyn.check_reached(names, hypers, reached)
     grads = {name: f.view(h.shape) for name, f, h in zip(names, flat, hypers, strict=True)}
     if not full_output:
         return grads

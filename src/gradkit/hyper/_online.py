@@ -26,7 +26,7 @@ import torch
 
 from gradkit._errors import describe, message
 from gradkit._tree import entries, rebuild
-from gradkit.hyper._problem import Dynamics, unused_error
+from gradkit.hyper._problem import Dynamics
 from gradkit.hyper._tangents import Direction, Trajectory, advance, read, start
 
 __all__ = ["OnlineTangents"]
@@ -77,9 +77,7 @@ class OnlineTangents:
                 reached[j] = True
                 grads[j].view(-1)[i] = tangent.to(grads[j].dtype)
         if check_unused:
-            for name, h, ok in zip(self.names, self.hypers, reached, strict=True):
-                if not ok and h.numel() > 0:
-                    raise unused_error(self.dyn.call, name)
+            self.dyn.check_reached(self.names, self.hypers, reached)
         return value, grads
 
     # -- saving and restoring ----------------------------------------------------------------

@@ -28,6 +28,7 @@ __all__ = [
     "check_scalar",
     "check_steps",
     "hyper_leaves",
+    "optimizer_tensors",
     "unused_error",
 ]
 
@@ -174,14 +175,60 @@ def check_scalar(value: Any, call: str, which: str) -> torch.Tensor:
     return value.reshape(())
 
 
-def unused_error(call: str, name: str, fix: str | None = None) -> ValueError:
-    """The error for a hyperparameter no loss and no step depends on."""
+def optimizer_tensors(opt: Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """``(where, tensor)`` for every tensor ``opt`` was built with: each tensor hyperparameter
+    (a scalar or a schedule) and each tensor entry of a per-parameter value, ``where`` being
+    the way to reach it from ``opt.hyperparams`` (``['momentum']``, ``['weight_decay']['w']``)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for key, value in opt.hyperparams.items():
+        items: list[tuple[Any, Any]] = [(None, value)]
+        if isinstance(value, Mapping):
+            items = list(value.items())
+        elif isinstance(value, tuple):
+            items = list(enumerate(value))
+        for sub, v in items:
+            if isinstance(v, torch.Tensor):
+                found.append((f"[{key!r}]" + ("" if sub is None else f"[{sub!r}]"), v))
+    return found
+
+
+def _copy_of(h: torch.Tensor, opt: Optimizer | None) -> str | None:
+    """Where in ``opt.hyperparams`` a tensor is that ``h`` equals without being it (a copy)."""
+    if opt is None:
+        return None
+    for where, v in optimizer_tensors(opt):
+        if (
+            v.shape == h.shape
+            and v.dtype == h.dtype
+            and v.device == h.device
+            and torch.equal(v.detach(), h.detach())
+        ):
+            return where
+    return None
+
+
+def unused_error(
+    call: str,
+    name: str,
+    fix: str | None = None,
+    *,
+    h: torch.Tensor | None = None,
+    opt: Optimizer | None = None,
+) -> ValueError:
+    """The error for a hyperparameter that is not one of the optimizer's tensors and that no
+    loss and no step depends on. Given the tensor ``h`` and the optimizer, a copy of one of the
+    optimizer's tensors (equal values, another tensor) is named as such."""
+    got = "a tensor nothing depends on (no path to the outer loss)"
+    where = None if h is None else _copy_of(h, opt)
+    if where is not None:
+        got += f" that equals opt.hyperparams{where} but is another tensor (a copy)"
+        fix = f"pass the optimizer's own tensor, opt.hyperparams{where}, not a copy of it"
     return ValueError(
         message(
             call,
             f"hyper[{name!r}]",
             "a tensor the optimizer or the losses use",
-            "a tensor nothing depends on (no path to the outer loss)",
+            got,
             fix
             or "build the optimizer with this very tensor (e.g. sgd(lr=lr), not lr.item()) or "
             "use it in inner_loss/outer_loss",
@@ -298,6 +345,26 @@ class Dynamics:
         self._losses: torch.Tensor | None = None
         self._stored = 0  # steps 0 .. _stored - 1 have their first loss in _losses
         self._worst: tuple[torch.Tensor, torch.Tensor] | None = None  # (gap, its step)
+
+    def owns(self, h: torch.Tensor) -> bool:
+        """Whether ``h`` is one of the tensors the optimizer was built with (by identity, not
+        by value: a copy is not the optimizer's)."""
+        return any(v is h for _, v in optimizer_tensors(self.opt))
+
+    def check_reached(
+        self, names: Sequence[str], hypers: Sequence[torch.Tensor], reached: Sequence[bool]
+    ) -> None:
+        """Raise for a hyperparameter with no path to the outer loss unless it is the
+        optimizer's own tensor. Whether the unrolled loss depends on one of those is a matter
+        of the steps run, not a mistake: SGD's momentum and dampening do not enter the first
+        step (its buffer is the gradient), nor does the value of a parameter that never gets a
+        gradient; their hypergradient is exactly 0, as finite differences give. A tensor that
+        is not the optimizer's and that no loss uses (a copy of the optimizer's tensor, or the
+        tensor whose ``.item()`` built it) cannot matter at any number of steps: that is a
+        mistake to report."""
+        for name, h, ok in zip(names, hypers, reached, strict=True):
+            if not ok and h.numel() > 0 and not self.owns(h):
+                raise unused_error(self.call, name, h=h, opt=self.opt)
 
     def counts_at(self, t: int) -> Any:
         """The per-parameter counts of the state before step ``t`` (None: ``t`` for all)."""

@@ -38,7 +38,6 @@ from gradkit.hyper._problem import (
     check_steps,
     hyper_leaves,
     sum_paths,
-    unused_error,
 )
 
 __all__ = ["checkpoint_stride", "reverse", "truncated"]
@@ -148,10 +147,8 @@ def _engine(
             with torch.enable_grad():
                 parts = torch.autograd.grad(s0, hypers, adjoint, allow_unused=True)
             total = sum_paths(total, parts)
-    if last is None:
-        for name, g in zip(names, total, strict=True):
-            if g is None:
-                raise unused_error(call, name)
+    if span == steps:  # nothing cut: a tensor no path reaches is the optimizer's or a mistake
+        dyn.check_reached(names, hypers, [g is not None for g in total])
     grads = {
         name: (torch.zeros_like(h) if g is None else g.reshape(h.shape).to(h.dtype))
         for name, h, g in zip(names, hypers, total, strict=True)
@@ -225,11 +222,18 @@ def reverse(
         ``{name: d outer_loss / d hyper[name]}`` shaped like each tensor (detached).
 
     Raises:
-        ValueError: for a hyperparameter nothing depends on (e.g. the optimizer was built from
-            ``lr.item()``), an inner loss that gives no parameter a gradient, a non-scalar
-            loss, ``steps < 1`` / ``checkpoint_every < 1``, or ``batches`` that give a replayed
-            step another batch than its first run (its inner loss changed by a relative 1e-4).
+        ValueError: for a hyperparameter nothing depends on that is not one of the tensors
+            the optimizer was built with (the optimizer was built from ``lr.item()``, or
+            ``hyper`` holds a copy of its tensor), an inner loss that gives no parameter a
+            gradient, a non-scalar loss, ``steps < 1`` / ``checkpoint_every < 1``, or
+            ``batches`` that give a replayed step another batch than its first run (its inner
+            loss changed by a relative 1e-4).
         TypeError: for arguments of the wrong type (``steps=2.0``, ``checkpoint_every=True``).
+
+    A tensor the optimizer was built with (identity, not value) gets an exact 0 where the outer
+    loss does not depend on it: SGD's momentum and dampening at ``steps=1`` (the first step's
+    buffer is the gradient itself), the hyperparameters of a parameter that never gets a
+    gradient.
 
     A parameter the inner loss does not use at a step (a branch not taken, a layer unfrozen
     later) gets no gradient there and is skipped by the optimizer, as ``torch.optim`` skips a
@@ -286,9 +290,9 @@ def truncated(
               a_{t+1}^\top \frac{\partial \Phi_t}{\partial \lambda}, \quad K = \text{last}
 
     i.e. the exact hypergradient of the problem that starts from the (constant) state
-    :math:`s_{T-K}` (FAR-HO's ``ReverseHG.truncated``). ``last = steps`` gives :func:`reverse`;
-    ``last = 0`` only the direct term. Only K states are stored. Arguments as :func:`reverse`;
-    paths cut by the truncation give zeros, not an error.
+    :math:`s_{T-K}` (FAR-HO's ``ReverseHG.truncated``). ``last = steps`` gives :func:`reverse`,
+    its errors included; ``last = 0`` only the direct term. Only K states are stored. Arguments
+    as :func:`reverse`; paths cut by a truncation (``last < steps``) give zeros, not an error.
 
     Examples:
         >>> import torch

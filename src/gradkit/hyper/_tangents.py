@@ -28,7 +28,9 @@ hyperparameter receives its tangent in place (``h.copy_(dual of h)``, same value
 ``opt.init`` runs, since ``params0`` may hold it; its version counter is restored afterwards.
 
 A tangent is ``None`` where the state does not depend on the direction (structurally), so a
-hyperparameter with no path to the outer loss is reported instead of given a zero.
+hyperparameter with no path to the outer loss can be told apart: the engines give the
+optimizer's own tensors a zero there and report any other tensor
+(:meth:`~gradkit.hyper._problem.Dynamics.check_reached`).
 """
 
 from __future__ import annotations
