@@ -3,7 +3,9 @@
 A subclass says how to build a :class:`~gradkit.curvature._layout.Point` (the operator's
 contribution of one batch, with whatever graph its products reuse) and the base class does the
 rest: products ``op @ v`` on flat vectors ``[P]``, matrices ``[P, k]`` and dicts keyed like the
-parameters; batches weighed ``n_b / N`` (``reduction="mean"``) or 1 (``"sum"``);
+parameters; batches weighed ``Z_b / Z`` (``reduction="mean"``, ``Z_b`` what the batch's mean
+divides by: its examples, or its counted targets for a torch classification loss) or 1
+(``"sum"``);
 block-diagonal operators; ``dense()`` and ``to_scipy()``.
 
 Block-diagonal products: block ``b`` of ``C v`` is ``C_bb v_b``, the block-``b`` rows of
@@ -126,6 +128,7 @@ class CurvatureOperator(FlatVectors):
         self._point: Point | None = None
         self._state: TensorState | None = None
         self._configure()
+        self._data.weigh(by_examples=self._by_examples())
         self._start()
 
     # -- subclass interface -------------------------------------------------------------------
@@ -139,13 +142,21 @@ class CurvatureOperator(FlatVectors):
     def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
         raise NotImplementedError  # pragma: no cover
 
+    def _by_examples(self) -> bool:
+        """Whether batches weigh ``n_b / N`` whatever the targets (the per-batch matrix is a
+        mean over the examples), rather than by what the mean loss divides by."""
+        return False
+
     def _start(self) -> None:
-        """Build the first batch's point (kept for a single batch, with the state of the model
-        it was built at), warn about unused parameters, refuse graphs that cannot be
-        differentiated twice."""
-        inputs, targets, _ = next(iter(self._data))
+        """Build the first batch's point (the first that counts: not all its targets ignored;
+        kept for a single batch, with the state of the model it was built at), warn about
+        unused parameters, refuse graphs that cannot be differentiated twice."""
+        data = self._data
+        index, (inputs, targets, _) = next(
+            (i, b) for i, b in enumerate(data) if data.weight(i, b[2]) != 0
+        )
         with torch.enable_grad():
-            point = self._data.first(lambda: self._make_point(inputs, targets, 0), self.dtype)
+            point = data.first(lambda: self._make_point(inputs, targets, index), self.dtype)
         if point.errors:
             raise GradkitError(
                 f"{self._call}: the model's backward cannot be differentiated again (graph "
@@ -289,10 +300,12 @@ class CurvatureOperator(FlatVectors):
             return self._columns(point, V)
         total: torch.Tensor | None = None
         for index, (inputs, targets, n) in enumerate(self._data):
-            res = self._columns(self._make_point(inputs, targets, index), V)
-            res = res * self._data.weight(n)
+            weight = self._data.weight(index, n)
+            if weight == 0:  # nothing of it counts (its own mean loss is nan)
+                continue
+            res = self._columns(self._make_point(inputs, targets, index), V) * weight
             total = res if total is None else total + res
-        assert total is not None  # at least one batch (checked at construction)
+        assert total is not None  # a batch that counts (checked at construction)
         return total
 
     def _columns(self, point: Point, V: torch.Tensor) -> torch.Tensor:

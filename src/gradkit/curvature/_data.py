@@ -5,9 +5,11 @@ Conventions (shared by every operator):
 * ``data`` is one pair ``(inputs, targets)`` (``targets`` a tensor) or a re-iterable of such
   pairs (a list, a ``DataLoader``); ``model(*inputs)`` is called when ``inputs`` is a tuple;
 * examples are indexed by dimension 0 of the inputs, the outputs and the targets;
-* ``reduction`` says how ``loss_fn`` combines the examples of one batch: ``"mean"`` (batch ``b``
-  of ``n_b`` examples then weighs ``n_b / N``, so several batches equal one batch of ``N``) or
-  ``"sum"`` (weight 1);
+* ``reduction`` says how ``loss_fn`` combines the examples of one batch: ``"mean"`` or ``"sum"``;
+  batch ``b`` weighs ``Z_b / Z`` (mean) or 1 (sum), ``Z_b`` what its mean divides by, so that
+  several batches equal one big batch: the sum of the class weights of the targets not
+  ignored for ``nn.CrossEntropyLoss``/``nn.NLLLoss`` and their functions
+  (:mod:`~gradkit.curvature._mean`), the batch's ``n_b`` examples for any other loss;
 * the parameters are those with ``requires_grad=True`` (frozen ones are skipped) or those named
   in ``params``, in ``model.named_parameters()`` order; buffers are never changed: modules in
   training mode that own buffers (BatchNorm running statistics) run on copies of them.
@@ -27,6 +29,7 @@ from gradkit._errors import describe, message
 from gradkit._params import LossFn
 from gradkit._params import select_params as choose
 from gradkit._validate import check_choice
+from gradkit.curvature import _mean
 
 __all__ = [
     "Data",
@@ -165,6 +168,8 @@ class Data:
     Attributes:
         single: whether ``data`` was one pair (products then reuse one kept graph).
         num_examples: ``N``, the examples over all batches.
+        targets: how ``loss_fn`` reads its targets where it is a torch classification loss
+            (then its mean divides by what the targets say), else None.
     """
 
     def __init__(
@@ -204,10 +209,12 @@ class Data:
                     else "use a loss with reduction 'mean' or 'sum' (it must return a scalar)",
                 )
             )
+        self.targets: _mean.TargetLoss | None = _mean.target_loss(loss_fn)
+        self._shares: list[float] | None = None  # Z_b / Z, once weigh() has checked them
         self.single = _is_pair(data)
         if self.single:
             self._batches: Any = [tuple(data)]
-            self.num_examples = _check_batch(data[0], None, call)
+            self.num_examples, self._divisors = self._count()
             return
         if not isinstance(data, Iterable) or isinstance(data, (str, bytes, dict, torch.Tensor)):
             raise TypeError(self._data_error(data))
@@ -222,7 +229,7 @@ class Data:
                 )
             )
         self._batches = data
-        self.num_examples = sum(n for _, _, n in self)
+        self.num_examples, self._divisors = self._count()
         if self.num_examples == 0:
             raise ValueError(
                 message(
@@ -233,6 +240,79 @@ class Data:
                     "pass non-empty data",
                 )
             )
+
+    def _mean_targets(self) -> _mean.TargetLoss | None:
+        """``targets`` where the mean of ``loss_fn`` divides by what its targets say."""
+        spec = self.targets
+        mean = self.reduction == "mean" and spec is not None and spec.reduction == "mean"
+        return spec if mean else None
+
+    def _count(self) -> tuple[int, list[float] | None]:
+        """``N`` and every batch's divisor ``Z_b`` (one host sync per batch, at construction;
+        None where the mean is over the examples), in one pass over the data."""
+        spec = self._mean_targets()
+        total, divisors = 0, []
+        device = next(self.model.parameters()).device if spec is not None else None
+        for index, (inputs, targets, n) in enumerate(self):
+            total += n
+            if spec is not None:  # the divisor is read here, before any forward: check first
+                where = "data" if self.single else f"data[{index}]"
+                parts = inputs if isinstance(inputs, tuple) else (inputs,)
+                named = [(f"{where} inputs[{i}]", t) for i, t in enumerate(parts)]
+                for label, t in [*named, (f"{where} targets", targets)]:
+                    if isinstance(t, torch.Tensor) and t.device != device:
+                        raise ValueError(
+                            message(
+                                self.call,
+                                label,
+                                f"a tensor on the parameters' device ({device})",
+                                f"a tensor on {t.device}",
+                                f"move the data with .to({str(device)!r})",
+                            )
+                        )
+                divisors.append(float(_mean.divisor(spec, targets)))
+        return total, None if spec is None else divisors
+
+    def weigh(self, *, by_examples: bool = False) -> None:
+        """Fix the batches' weights: ``Z_b / Z``, or ``n_b / N`` with ``by_examples`` (for an
+        operator whose per-batch matrix is a mean over the examples whatever the targets, the
+        Monte Carlo Fisher of a sampling ``likelihood``). Refuses data in which nothing counts
+        (the mean loss is 0/0)."""
+        if self._divisors is None or by_examples:
+            return
+        total = sum(self._divisors)
+        if total == 0:
+            spec = self.targets
+            assert spec is not None
+            weights = "" if spec.weight is None else " or of class weight 0"
+            raise ValueError(
+                message(
+                    self.call,
+                    "data",
+                    "at least one target that loss_fn's mean counts (one not equal to "
+                    f"ignore_index={spec.ignore_index}{weights})",
+                    f"targets that are all ignored{weights} (the mean loss is 0/0, nan)",
+                    "pass data with a target that is not ignored"
+                    if self.single
+                    else "drop the batches whose targets are all ignored",
+                )
+            )
+        self._shares = [z / total for z in self._divisors]
+
+    def divisor(self, targets: torch.Tensor) -> torch.Tensor | None:
+        """``Z_b`` of a batch with ``targets`` as a 0-dim float64 tensor (no host sync), for a
+        mean torch classification loss; None for any other loss (its mean is over the
+        ``n_b`` examples)."""
+        spec = self._mean_targets()
+        return None if spec is None else _mean.divisor(spec, targets)
+
+    def ignored(self, targets: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The targets ``loss_fn`` ignores (a bool mask shaped like ``targets``) and the value
+        that marks them, for a torch classification loss with class-index targets; else
+        None."""
+        spec = self.targets
+        mask = None if spec is None else _mean.ignored(spec, targets)
+        return None if mask is None or spec is None else (mask, spec.ignore_index)
 
     def _data_error(self, got: Any) -> str:
         return message(
@@ -310,10 +390,14 @@ class Data:
                     ) from err
             raise
 
-    def weight(self, n: int) -> float:
-        """The weight of a batch of ``n`` examples in the total (1 for a single batch)."""
+    def weight(self, index: int, n: int) -> float:
+        """The weight of batch ``index`` of ``n`` examples in the total: ``Z_b / Z`` (1 for a
+        single batch or a sum). A batch of weight 0 (all its targets ignored) adds nothing to
+        one big batch: skip it (its own mean loss is nan)."""
         if self.single or self.reduction == "sum":
             return 1.0
+        if self._shares is not None:
+            return self._shares[index]
         return n / self.num_examples
 
     def forward(self, inputs: Any) -> Any:

@@ -8,10 +8,12 @@ Per example, ``M_n = c * sum_s r_sn r_sn^T`` with
   target drawn from the model's predictive distribution (categorical for cross entropy, Gaussian
   for MSE, or a ``likelihood`` callable), ``c = w / S`` with ``w`` the loss's weight of each
   example's negative log-likelihood (``1/N`` for a mean cross entropy), found from the loss
-  itself and checked; its expectation is the GGN;
+  itself and checked; its expectation is the GGN. Examples whose real target the loss ignores
+  (``ignore_index``) are left out of the categorical samples, as the GGN leaves them out;
 * ``kind="empirical"``: ``r_n`` the gradient of the loss w.r.t. the output at the real targets,
-  ``c = n_b`` (mean) or 1 (sum), so that ``F = (1/N) sum_n g_n g_n^T`` (mean) or
-  ``sum_n g_n g_n^T`` (sum) for the individual gradients ``g_n = d l_n / d theta``.
+  ``c = Z_b`` (mean: what the batch's mean divides by, ``n_b`` or its counted targets) or 1
+  (sum), so that ``F = (1/Z) sum_n g_n g_n^T`` (mean) or ``sum_n g_n g_n^T`` (sum) for the
+  individual gradients ``g_n = d l_n / d theta`` (``l_n`` a target's term of the summed loss).
 
 Products go through ``J`` and ``J^T`` as for the GGN; ``M`` is applied from its factors.
 Targets are sampled once per batch from a seed fixed at construction, so every product of an
@@ -48,7 +50,7 @@ def _infer(loss_fn: Any) -> str | None:
 
 
 class _FactorPoint(Point):
-    def __init__(self, j: JPoint, R: torch.Tensor, c: float) -> None:
+    def __init__(self, j: JPoint, R: torch.Tensor, c: float | torch.Tensor) -> None:
         self.j, self.c = j, c
         self.unused, self.errors = j.unused, j.errors
         self._R = R.reshape(R.shape[0], R.shape[1], -1)  # [s, n, o]
@@ -72,8 +74,13 @@ class Fisher(CurvatureOperator):
               \nabla_f \log p(\hat y_{ns} | f_n)\, \nabla_f \log p(\hat y_{ns} | f_n)^\top\Big)
               J_n, \quad \hat y_{ns} \sim p(\cdot | f_n)
 
-    .. math:: F_\text{emp} = \frac1N \sum_n g_n g_n^\top \text{ (mean)},\quad
+    .. math:: F_\text{emp} = \frac1Z \sum_n g_n g_n^\top \text{ (mean)},\quad
               \sum_n g_n g_n^\top \text{ (sum)}, \qquad g_n = \nabla_\theta\, l_n
+
+    (``Z = N``, or what the mean of a torch classification loss divides by, as for
+    :class:`Hessian`; ``l_n`` the term of example ``n`` in the summed loss). The examples whose
+    real target a cross entropy ignores (``ignore_index``) are left out of the Monte Carlo
+    Fisher, as the GGN leaves them out.
 
     ``E[F_mc] = GGN`` for cross entropy and MSE (exponential families in the natural
     parameters); the empirical Fisher is a different matrix. Products cost about 2x a gradient
@@ -181,6 +188,11 @@ class Fisher(CurvatureOperator):
             kw.update(generator=generator, device=generator.device)
         self._seed = int(torch.randint(0, 2**62, (), **kw))
 
+    def _by_examples(self) -> bool:
+        # the Monte Carlo Fisher of a Gaussian or a callable likelihood is a mean over the
+        # batch's examples at sampled targets, whatever the real targets say
+        return self.kind == "mc" and self.likelihood != "categorical"
+
     def _make_point(self, inputs: Any, targets: torch.Tensor, index: int) -> Point:
         j = JPoint(self._layout, self._data, inputs)
         R, c = self._factor(j.out.detach(), targets, index)
@@ -205,11 +217,12 @@ class Fisher(CurvatureOperator):
 
     def _factor(
         self, out: torch.Tensor, targets: torch.Tensor, index: int
-    ) -> tuple[torch.Tensor, float]:
+    ) -> tuple[torch.Tensor, float | torch.Tensor]:
         n = out.shape[0]
         per_example = float(n) if self._data.reduction == "mean" else 1.0
         if self.kind == "empirical":
-            return self._loss_grad(out, targets)[None], per_example
+            divisor = self._data.divisor(targets)  # Z_b of a mean classification loss
+            return self._loss_grad(out, targets)[None], per_example if divisor is None else divisor
         gen = torch.Generator(device=out.device).manual_seed(self._seed + index)
         lik = self.likelihood
         S = self.samples
@@ -233,6 +246,12 @@ class Fisher(CurvatureOperator):
             first = idx[:, 0]
             soft = targets.is_floating_point() and targets.shape == out.shape
             y0 = F.one_hot(first, out.shape[1]).to(out.dtype) if soft else first
+            ignored = self._data.ignored(targets)
+            if ignored is not None and ignored[0].shape == first.shape:
+                # the GGN leaves out the examples the loss ignores: so do the samples
+                mask, value = ignored
+                R = R.masked_fill(mask[None, :, None], 0.0)
+                y0 = first.masked_fill(mask, value)
         else:
             eps = torch.randn((S, *out.shape), generator=gen, dtype=out.dtype, device=out.device)
             R, y0 = -eps, out + eps[0]
@@ -242,6 +261,8 @@ class Fisher(CurvatureOperator):
         """``w`` with ``dloss/doutput = w * g0`` at targets ``y0``, ``g0`` the gradient of the
         negative log-likelihood (checked: the loss must be a multiple of it)."""
         r = self._loss_grad(out, y0)
+        if not bool(g0.any()) and not bool(r.any()):  # every example left out (ignored)
+            return 0.0
         w = float((r * g0).sum() / (g0 * g0).sum().clamp_min(1e-300))
         dev = float((r - w * g0).abs().max())
         tol = torch.finfo(out.dtype).eps ** 0.5 * float(r.abs().max())

@@ -184,12 +184,13 @@ class GGN(CurvatureOperator):
               J_b = \frac{\partial f_\theta(x_b)}{\partial \theta},\quad
               H_b = \nabla^2_{f}\, \ell(f, y_b)\big|_{f = f_\theta(x_b)}
 
-    with ``w_b = n_b / N`` (mean) or 1 (sum). ``G`` is positive semi-definite for losses convex
-    in the output (cross entropy, MSE); it equals the Hessian when the model is linear in the
-    parameters, or piecewise linear (ReLU networks) with MSE. Each product is about 2x a
-    gradient (autograd only: ``J v`` by the double-backward trick, ``H_out`` by double backward
-    of the loss w.r.t. the output, ``J^T`` by a backward). :func:`diagonal` gives its exact
-    diagonal from per-example gradients (:mod:`gradkit.per_example`).
+    with ``w_b = Z_b / Z`` (mean, as for :class:`Hessian`) or 1 (sum). ``G`` is positive
+    semi-definite for losses convex in the output (cross entropy, MSE); it equals the Hessian
+    when the model is linear in the parameters, or piecewise linear (ReLU networks) with MSE.
+    Each product is about 2x a gradient (autograd only: ``J v`` by the double-backward trick,
+    ``H_out`` by double backward of the loss w.r.t. the output, ``J^T`` by a backward).
+    :func:`diagonal` gives its exact diagonal from per-example gradients
+    (:mod:`gradkit.per_example`).
 
     Args:
         model: the model; it must return one tensor, the loss's first argument, with the

@@ -44,7 +44,11 @@ class Hessian(CurvatureOperator):
     r"""The Hessian of the loss w.r.t. the parameters, matrix-free.
 
     .. math:: H = \sum_b w_b \, \nabla^2_\theta\, \ell\big(f_\theta(x_b), y_b\big),
-              \qquad w_b = n_b / N \text{ (mean) or } 1 \text{ (sum)}
+              \qquad w_b = Z_b / Z \text{ (mean) or } 1 \text{ (sum)}
+
+    with ``Z_b`` what the mean of batch ``b`` divides by: its ``n_b`` examples, or for
+    ``nn.CrossEntropyLoss``/``nn.NLLLoss`` and their functions the sum of the class weights of
+    its targets not equal to ``ignore_index`` (their number without ``weight``).
 
     Each product ``op @ v`` is one double backward: about 2.4x a gradient for the first vector
     of a batch, about 1.4x for every further vector (the first-gradient graph is kept for a
@@ -54,7 +58,10 @@ class Hessian(CurvatureOperator):
         model: the model; ``model(inputs)`` (``model(*inputs)`` for a tuple).
         loss_fn: ``loss_fn(output, targets)`` returning a scalar.
         data: a pair ``(inputs, targets)`` or a re-iterable of pairs (then the operator equals
-            the one of all batches concatenated, for mean and sum losses alike).
+            the one of all batches concatenated, for mean and sum losses alike; a mean
+            ``loss_fn`` that is a lambda or any other function is taken to be a mean over the
+            batch's examples: for a mean over tokens, pass ``reduction="sum"`` and divide by
+            the total count, see curvature.md).
         params: names of the parameters to differentiate (default: all with
             ``requires_grad=True``, in ``named_parameters()`` order).
         blocks: ``"full"``, ``"layer"`` (one diagonal block per module), ``"param"`` (one per

@@ -104,16 +104,18 @@ def mlp_hessian_diagonal(
     after ``Flatten``) or the per-example blocks would take more than ``max_memory`` bytes."""
     diag: dict[int, torch.Tensor] = {}
     widest = max(m.out_features for m in layers if isinstance(m, nn.Linear))
-    for inputs, targets, n in data:
+    for index, (inputs, targets, n) in enumerate(data):
         if n * widest * widest * 8 * 3 > max_memory:
             return None
+        weight = data.weight(index, n)
+        if weight == 0:  # nothing of it counts (its own mean loss is nan)
+            continue
         run = _forward(layers, inputs, slopes=False)
         if run is None:
             return None
         h, saved = run
         K, delta = loss_hessian_blocks(data, h, targets, max_memory=max_memory, call=call)
         delta = delta.double()  # the blocks are float64 whatever the model's dtype
-        weight = data.weight(n)
         for layer, a, derivs in reversed(saved):
             if derivs is None:
                 assert isinstance(layer, nn.Linear)
@@ -203,11 +205,13 @@ def mlp_factor_diagonal(
     """
     diag: dict[int, torch.Tensor] = {}
     for index, (inputs, targets, n) in enumerate(data):
+        weight = data.weight(index, n)
+        if weight == 0:  # nothing of it counts (its own mean loss is nan)
+            continue
         run = _forward(layers, inputs, slopes=True)
         if run is None:
             return None
         out, saved = run
-        weight = data.weight(n)
         pos, neg = factors(out, targets, index)
         first = next(i for i, (layer, _, _) in enumerate(saved) if isinstance(layer, nn.Linear))
         for sign, cols in ((1.0, pos), (-1.0, neg)):
