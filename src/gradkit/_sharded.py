@@ -7,6 +7,7 @@ collective.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -68,14 +69,18 @@ def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in cast(nn.Module, inner).modules() if isinstance(m, cls)]
 
 
-def refuse_fsdp1(model: nn.Module, call: str) -> None:
+def refuse_fsdp1(
+    model: nn.Module, call: str, modules: Mapping[str, nn.Module] | None = None
+) -> None:
     """Raise for a model wrapped (anywhere) in FSDP1's ``FullyShardedDataParallel``: its
-    parameters are flat local shards, not the module's own shapes."""
+    parameters are flat local shards, not the module's own shapes. ``modules``: the model's
+    ``named_modules()`` if the caller has them (one walk of a large model fewer)."""
     cls = _fsdp1_type()
     if cls is None:
         return
     inner = getattr(model, "_orig_mod", model)
-    for name, m in inner.named_modules():
+    named = modules.items() if modules is not None and inner is model else inner.named_modules()
+    for name, m in named:
         if isinstance(m, cls):
             where = f"the module {name!r}" if name else "the model"
             raise GradkitError(

@@ -205,7 +205,8 @@ class Tracker(TrackerResults):
     ) -> None:
         call = "per_example.track(model, ...)"
         check_module(model, call, "pass the model whose parameters to track")
-        refuse_fsdp1(model, call)
+        self._modules = modules = dict(model.named_modules())
+        refuse_fsdp1(model, call, modules)
         self._want = parse_want(quantities, moments, call)
         self._loss_reduction = check_choice(loss_reduction, ("mean", "sum"), call, "loss_reduction")
         self._loss_scale = _parse_loss_scale(loss_scale, call)
@@ -213,7 +214,6 @@ class Tracker(TrackerResults):
         # statistics itself, as GradientMonitor(scale_to_grad=True) does)
         self.verify_reduction = True
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
-        self._modules = modules = dict(model.named_modules())
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
         check_bool(fuse, call, "fuse")
         check_bool(unbiased, call, "unbiased")
