@@ -75,7 +75,9 @@ def oracle(model, ids):
     c, second = 256 * torch.finfo(D).eps, g.square().mean(0)
     top = torch.cat([s.max().expand(s.numel()) for s in second.split([p.numel() for p in params])])
     ok = (var > c * second) & (second > c**2 * top)  # the monitor's rounding floors
-    snr = float((mean[ok].square() / var[ok]).median())
+    ratios = (mean[ok].square() / var[ok]).sort().values
+    k = len(ratios) // 2  # the median: the middle value, or the mean of the two middle ones
+    snr = float(ratios[k]) if len(ratios) % 2 else float((ratios[k - 1] + ratios[k]) / 2)
     return float(var.sum() / mean.square().sum()), snr, float(var.sum()), float(mean.norm())
 
 
