@@ -104,6 +104,8 @@ def check_pass(
     loss_reduction: str | None,
     checked: Mapping[int, str],
     params: Mapping[int, torch.Tensor],
+    *,
+    through_gradients: bool = False,
 ) -> frozenset[int]:
     """The tracked parameters (``params``: ``id -> parameter``) whose gradient a backward pass
     leaves out although its graph reaches them (all of them: the pass adds no statistic).
@@ -115,8 +117,10 @@ def check_pass(
     differentiates a layer split into another number of examples, layers that disagree on
     ``N``, a loss that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum
     of per-example shares), a parameter of ``checked`` (``id -> name``) used outside its
-    layer's calls (see :mod:`._outside`). Called at the pass's first tracked output, before
-    the gradient reaches any tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
+    layer's calls (see :mod:`._outside`; ``through_gradients``: an earlier pass built a graph
+    of the gradient, whose nodes may use a parameter through its layer's own intermediate
+    nodes). Called at the pass's first tracked output, before the gradient reaches any
+    tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
     roots = backward_roots()
     nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
     accumulators: dict[int, Node] = {}
@@ -154,7 +158,8 @@ def check_pass(
         for pid in r.checked:
             if pid in expected:
                 expected[pid] += 1
-    check_outside_uses(nodes, expected, checked, {nd for r in counted for nd in r.nodes}, found)
+    calls = {nd for r in counted for nd in r.nodes}
+    check_outside_uses(nodes, expected, checked, calls, found, shared=through_gradients)
     return left_out
 
 

@@ -125,6 +125,11 @@ class EdgeMean:
         buffered = self._buffered.pop(pid, None)
         return buffered if from_edges else None
 
+    def undecide(self) -> None:
+        """Start a new pass through the same graph (one kept for a later pass, see the tracker):
+        every parameter undecided again, nothing buffered."""
+        self._buffered, self._from_edges = {}, {}
+
     def release(self) -> None:
         """Forget the graph (its backward is over): later sums come from the rule."""
         self.edges, self.leaves, self._buffered = {}, {}, {}

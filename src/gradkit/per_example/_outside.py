@@ -91,6 +91,29 @@ def _on_examples(
     return count
 
 
+def _uses_on_examples(
+    parents: Mapping[Node, list[Node]], depends: set[Node], sources: list[Node]
+) -> int:
+    """How many distinct nodes that depend on a tracked call's output, with an output with a
+    dimension, the edges from ``sources`` reach through nodes that depend on none: the uses of
+    the parameter, where one of its parameter-only nodes (a layer's ``weight.t()``) feeds
+    several of them. The graph of a gradient built with ``create_graph`` does that: a Linear's
+    input gradient ``G W`` reuses the forward's own ``W.t()``."""
+    uses: set[Node] = set()
+    todo, seen = list(sources), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in depends:
+            if _has_dimension(node):
+                uses.add(node)
+        else:
+            todo.extend(parents.get(node, []))
+    return len(uses)
+
+
 def _has_dimension(node: Node) -> bool:
     """Whether an output of ``node`` (in the forward) has at least one dimension."""
     metadata: Any = getattr(node, "_input_metadata", ())
@@ -106,20 +129,27 @@ def check_outside_uses(
     names: Mapping[int, str],
     calls: set[Node],
     found: Mapping[int, list[Node]],
+    *,
+    shared: bool = False,
 ) -> None:
     """Raise when a checked parameter (``expected``: ``id -> calls of its layers in this
     pass``) has more graph edges on the examples than calls (see the module docstring);
     ``roots``: the pass's root nodes, ``calls``: the tracked calls' output nodes, ``found``:
-    :func:`gradkit._autograd.edges_into` of the roots (any superset of ``names``' ids)."""
+    :func:`gradkit._autograd.edges_into` of the roots (any superset of ``names``' ids).
+    ``shared``: the graph may hold a gradient's graph (an earlier pass ran with
+    ``create_graph``), which uses a parameter through its layer's own nodes, not through an
+    edge of its own: every parameter's uses are counted past its parameter-only nodes."""
     if not expected or not roots:
         return
-    over = [pid for pid, calls_of in expected.items() if len(found.get(pid, ())) > calls_of]
+    if shared:
+        over = [pid for pid in expected if pid in found]
+    else:
+        over = [pid for pid, calls_of in expected.items() if len(found.get(pid, ())) > calls_of]
     if not over:
         return
     parents, depends = _maps(roots, calls)
-    outside = [
-        names[pid] for pid in over if _on_examples(parents, depends, found[pid]) > expected[pid]
-    ]
+    count = _uses_on_examples if shared else _on_examples
+    outside = [names[pid] for pid in over if count(parents, depends, found[pid]) > expected[pid]]
     if outside:
         listed = ", ".join(repr(n) for n in sorted(outside))
         raise GradkitError(
@@ -129,9 +159,12 @@ def check_outside_uses(
                 "tracked layers' parameters used on the examples only through the layers' own "
                 "calls",
                 f"{listed} used on the examples outside their layer's calls too (e.g. read "
-                "directly, as F.linear(h, layer.weight)): their per-example gradients would "
-                "leave that use out",
+                "directly, as F.linear(h, layer.weight), or in the graph of a gradient taken "
+                "with create_graph=True, as a gradient penalty differentiates it): their "
+                "per-example gradients would leave that use out",
                 "call the layer instead, tie the weight to a second module (tracked as a "
-                "shared parameter), or freeze them (requires_grad_(False)) to track the rest",
+                "shared parameter), or freeze them (requires_grad_(False)) to track the rest; "
+                "a loss with a gradient penalty cannot be split by example: track steps "
+                "without the penalty",
             )
         )

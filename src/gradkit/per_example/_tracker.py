@@ -268,6 +268,8 @@ class Tracker(TrackerResults):
         # (module, whether the fallback's re-runs missed its output): read with the statistics
         self._reruns: list[tuple[str, torch.Tensor]] = []
         self._records: list[UseRecord] = []  # uses whose graph references are still held
+        self._builds_graph = False  # the pass under way runs with create_graph
+        self._graph_kept = False  # a pass kept its calls' graph references (create_graph)
         self._done: list[UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         # per-example gradients kept (batch_grad) are written at the pass's end, after
@@ -541,6 +543,8 @@ class Tracker(TrackerResults):
             return
         record.arrivals += 1
         self._start_backward()
+        if torch.is_grad_enabled():  # create_graph: this pass builds a graph through the layer
+            self._builds_graph = True
         call = record.call
         if call.mode == "mismatch" and any(g is not None for g in grads):
             raise mismatch_error([f"{record.label} {call.problem}"])
@@ -600,6 +604,7 @@ class Tracker(TrackerResults):
             self._loss_reduction if self.verify_reduction else None,
             self._checked,
             self._tracked,
+            through_gradients=self._graph_kept,
         )
 
     # -- processing ----------------------------------------------------------------------------
@@ -747,12 +752,23 @@ class Tracker(TrackerResults):
         self._unbackwarded = 0
         if len(set(sizes.values())) > 1:
             raise disagree_error(list(sizes.items()))
+        # a pass with create_graph built a graph of the gradient that uses the weights outside
+        # their layers' calls (a gradient penalty differentiates it): its calls keep their
+        # graph references, so that a later pass through that graph is checked (see
+        # check_pass) instead of silently missing those uses; they are released with the block
+        keep, self._builds_graph = self._builds_graph, False
+        self._graph_kept = self._graph_kept or keep
         for record in self._records:
             if id(record) in done:
-                record.release_graph()
+                if keep:
+                    record.mean.undecide()
+                else:
+                    record.release_graph()
             elif record.recomputed:  # non-reentrant checkpointing: its gradient went elsewhere
                 record.release()
-        self._records = [r for r in self._records if id(r) not in done and not r.recomputed]
+        self._records = [
+            r for r in self._records if (keep or id(r) not in done) and not r.recomputed
+        ]
         later.sort(key=lambda item: item[1].shape.numel())  # the largest blocks last
         for args in later:
             self._add(*args)
