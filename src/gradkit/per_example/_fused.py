@@ -15,11 +15,12 @@ the product saved here.
 
 ``p.grad`` of such a weight (and of a convolution's bias) then equals autograd's up to float
 rounding (a sum over examples of per-example products instead of one product over all
-positions: about 1e-7 relative in float32, 1e-16 in float64; under bf16/fp16 autocast the sum
-is taken in float32, where autograd multiplies in the low precision); every other gradient is
-unchanged. Where the per-example gradients were not materialized in this backward (closed forms
-sufficed, the layer was called several times, a double backward builds a graph through the
-gradient), the backward computes every gradient as autograd does.
+positions: about 1e-7 relative in float32, 1e-16 in float64); every other gradient is
+unchanged. A call in bf16/fp16 (autocast) is not fused (see the tracker's ``_fusable``):
+summed in float32, its weight gradient would differ from autograd's low-precision product by
+that precision's rounding. Where the per-example gradients were not materialized in this
+backward (closed forms sufficed, the layer was called several times, a double backward builds
+a graph through the gradient), the backward computes every gradient as autograd does.
 """
 
 from __future__ import annotations
