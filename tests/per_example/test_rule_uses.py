@@ -89,3 +89,35 @@ def test_a_rule_reading_only_the_first_use_is_fine_when_the_module_ran_once(rule
     want = per_example_grads(model, _loss, x, y)
     stats = _run(model, x, y)
     torch.testing.assert_close(stats["1.s"].batch_grad, want["1.s"], rtol=1e-10, atol=1e-12)
+
+
+def _raw_tensor_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    return {"s": sum((u.inputs[0] * u.grad_output).flatten(1).sum(1) for u in uses)}
+
+
+def _misspelled_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    return {**summing_rule(module, uses, ctx), "scale": summing_rule(module, uses, ctx)["s"]}
+
+
+def _scalar_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    return {"s": Materialized(sum((u.inputs[0] * u.grad_output).sum() for u in uses))}
+
+
+@pytest.mark.parametrize(
+    ("rule", "error", "words"),
+    [
+        (_raw_tensor_rule, TypeError, ("its result for 's'", "PerExampleGrad", "Materialized")),
+        (_misspelled_rule, ValueError, ("keys", "['scale']", "named_parameters")),
+        (_scalar_rule, ValueError, ("Materialized(grads)", "[N, *param.shape]", "shape=()")),
+    ],
+)
+def test_a_rules_malformed_result_is_refused_by_name(rule_slot, rule, error, words) -> None:
+    """A raw tensor, a key that is not a parameter's name, a 0-dim Materialized: refused, naming
+    the rule and what to return (they raised an AttributeError or an IndexError deep in the
+    tracker, or the key was silently ignored)."""
+    rule_slot(rule)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(error) as raised, gradkit.per_example.track(model, "variance"):
+        model(torch.randn(5, 3)).pow(2).sum(1).mean().backward()
+    assert all(w in str(raised.value) for w in words), str(raised.value)

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from gradkit._errors import describe, message
+
 __all__ = ["BiasOf", "Materialized", "OuterProduct", "PerExampleGrad", "cat_positions"]
 
 
@@ -84,6 +86,17 @@ class Materialized(PerExampleGrad):
     """
 
     def __init__(self, grads: torch.Tensor, *, owned: bool = False) -> None:
+        if not isinstance(grads, torch.Tensor) or grads.dim() == 0:
+            raise ValueError(
+                message(
+                    "per_example.Materialized(grads)",
+                    "grads",
+                    "a tensor [N, *param.shape] (the examples in dimension 0)",
+                    describe(grads),
+                    "stack the per-example gradients along a new dimension 0 (a 0-dim "
+                    "parameter's are [N])",
+                )
+            )
         self.grads = grads
         self.owned = owned
         self.num_examples = grads.shape[0]

@@ -15,7 +15,7 @@ per example, in whatever form is cheapest (see :mod:`gradkit.per_example._grads`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,15 @@ from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import PerExampleGrad
 
-__all__ = ["Rule", "RuleContext", "Use", "find_rule", "register_rule", "registered_rules"]
+__all__ = [
+    "Rule",
+    "RuleContext",
+    "Use",
+    "check_result",
+    "find_rule",
+    "register_rule",
+    "registered_rules",
+]
 
 
 @dataclass
@@ -162,6 +170,45 @@ def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rul
         return rule
 
     return decorate
+
+
+def check_result(
+    rule: Rule, result: Any, module: nn.Module, params: Mapping[str, Any], label: str
+) -> None:
+    """Refuse what a rule returned if it is not a mapping from the module's parameter names to
+    :class:`~gradkit.per_example.PerExampleGrad` (a misspelled name would leave a parameter
+    without statistics; a raw tensor would fail later, somewhere unclear). ``params``: the
+    tracked ones, by local name (the module's others are looked up only for other keys)."""
+    call = f"per_example.track: the rule {getattr(rule, '__name__', repr(rule))} of {label}"
+    fix = "return {name: Materialized(grads)} ([N, *param.shape]) or another PerExampleGrad"
+    if not isinstance(result, Mapping):
+        raise TypeError(
+            message(
+                call,
+                "its result",
+                "a dict of parameter name -> PerExampleGrad",
+                describe(result),
+                fix,
+            )
+        )
+    others = [k for k in result if k not in params]
+    names = {n for n, _ in module.named_parameters()} if others else set()
+    unknown = sorted(str(k) for k in others if k not in names)
+    if unknown:
+        raise ValueError(
+            message(
+                call,
+                "its result's keys",
+                f"names of the module's parameters ({sorted(names)})",
+                f"{unknown}, which the module does not have",
+                "key each result by the parameter's name in module.named_parameters()",
+            )
+        )
+    for key, value in result.items():
+        if not isinstance(value, PerExampleGrad):
+            raise TypeError(
+                message(call, f"its result for {key!r}", "a PerExampleGrad", describe(value), fix)
+            )
 
 
 def find_rule(module: nn.Module) -> Rule | None:

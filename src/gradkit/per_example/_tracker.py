@@ -111,7 +111,7 @@ from gradkit.per_example._layout import (
     inner_batch_dims,
     parse_batch_dim,
 )
-from gradkit.per_example._registry import CheckedUses, RuleContext, builtin
+from gradkit.per_example._registry import CheckedUses, RuleContext, builtin, check_result
 from gradkit.per_example._results import TrackerResults
 from gradkit.per_example._stats import PowerSums, add_block, parse_want, statistics_dtype
 from gradkit.per_example._sum import combine
@@ -651,6 +651,7 @@ class Tracker(TrackerResults):
             self._reruns.append((st.label, torch.stack(ctx.reruns).any()))
         if isinstance(uses, CheckedUses):
             uses.check(st.rule, st.label)
+        check_result(st.rule, pes, st.module, st.params, st.label)
         record = pending[0][0]
         if len(pending) == 1 and record.sums is not None and "weight" in pes:
             pes["weight"].on_block = record.sums.add  # the layer's backward sums them
