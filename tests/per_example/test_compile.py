@@ -120,3 +120,25 @@ def test_tracked_and_untracked_steps_of_one_compiled_model_alternate() -> None:
             l2 = sum(g.flatten(1).square().sum(1) for g in ref.values())
             torch.testing.assert_close(stats.batch_l2(), l2, rtol=1e-10, atol=1e-12)
     torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_many_tracked_modules_do_not_recompile_gradkits_hooks() -> None:
+    """Twelve tracked layers: the hooks run eagerly without Dynamo compiling a frame per
+    module (a wrapper compiled per closure hit the recompile limit of 8 and warned)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)]).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    compiled = torch.compile(model, backend="eager")
+    with (
+        torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True),
+        track(model, "variance", loss_reduction="sum") as stats,
+    ):
+        compiled(x).pow(2).sum().backward()
+    ref = per_example_grads(model, lambda o, _: o.pow(2).sum(), x, None)
+    for name, g in ref.items():
+        torch.testing.assert_close(stats[name].variance, g.var(0, unbiased=False))

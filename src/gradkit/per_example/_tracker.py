@@ -155,15 +155,12 @@ def _named_parameters(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Pa
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, run eagerly (a graph break) when Dynamo traces the model: it records the call
     and hooks the graph autograd builds, which a compiled trace of it would not do. Outside
-    ``torch.compile`` it costs one flag read (``torch.compiler.disable`` alone costs ~20 us per
-    call)."""
+    ``torch.compile`` the wrapper costs about 0.4 us a call (torch 2.13). A wrapper that
+    called ``torch.compiler.disable(hook)`` only while compiling was itself compiled as a frame,
+    one recompilation per module (its closure), and a model of more than eight tracked modules
+    hit Dynamo's recompile limit."""
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return torch.compiler.disable(hook)(*args, **kwargs)
-        return hook(*args, **kwargs)
-
-    return run
+    return torch.compiler.disable(hook)
 
 
 class _PassEnd:
