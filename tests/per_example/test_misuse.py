@@ -905,3 +905,20 @@ def test_loss_scale_is_validated(bad):
     error = TypeError if isinstance(bad, (str, bool)) else ValueError
     with pytest.raises(error, match="loss_scale"):
         track(model, "variance", loss_scale=bad)
+
+
+def test_graphs_kept_for_a_gradient_penalty_are_those_of_the_last_such_pass():
+    """A loop of create_graph passes in one block keeps one step's calls at a time, not every
+    step's graph (the kept calls hold the activations); the block's end releases them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    with track(model, "variance", loss_reduction="sum") as stats:
+        for _ in range(5):
+            loss = model(x).pow(2).sum()
+            torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            assert len(stats._records) == 2  # this step's two calls
+        model(x).pow(2).sum().backward()  # its own calls are released, the kept ones stay
+        assert len(stats._records) == 2
+    assert stats._records == []
+    assert stats["0.weight"].num_examples == 36

@@ -274,7 +274,7 @@ class Tracker(TrackerResults):
         self._reruns: list[tuple[str, torch.Tensor]] = []
         self._records: list[UseRecord] = []  # uses whose graph references are still held
         self._builds_graph = False  # the pass under way runs with create_graph
-        self._graph_kept = False  # a pass kept its calls' graph references (create_graph)
+        self._kept: set[int] = set()  # calls whose graph the last pass kept (create_graph)
         self._done: list[UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         # per-example gradients kept (batch_grad) are written at the pass's end, after
@@ -616,7 +616,7 @@ class Tracker(TrackerResults):
             self._loss_reduction if self.verify_reduction else None,
             self._checked,
             self._tracked,
-            through_gradients=self._graph_kept,
+            through_gradients=bool(self._kept),
         )
 
     # -- processing ----------------------------------------------------------------------------
@@ -768,19 +768,28 @@ class Tracker(TrackerResults):
         # a pass with create_graph built a graph of the gradient that uses the weights outside
         # their layers' calls (a gradient penalty differentiates it): its calls keep their
         # graph references, so that a later pass through that graph is checked (see
-        # check_pass) instead of silently missing those uses; they are released with the block
+        # check_pass) instead of silently missing those uses. They are released when a pass
+        # goes through them, when the next graph-building pass ends (a loop of such steps
+        # holds one step's graph, not every step's), or with the block.
         keep, self._builds_graph = self._builds_graph, False
-        self._graph_kept = self._graph_kept or keep
+        if keep:
+            dropped, self._kept = self._kept - done, set(done)
+        else:
+            dropped, self._kept = set(), self._kept - done
         for record in self._records:
             if id(record) in done:
                 if keep:
                     record.mean.undecide()
                 else:
                     record.release_graph()
+            elif id(record) in dropped:
+                record.release_graph()
             elif record.recomputed:  # non-reentrant checkpointing: its gradient went elsewhere
                 record.release()
         self._records = [
-            r for r in self._records if (keep or id(r) not in done) and not r.recomputed
+            r
+            for r in self._records
+            if (id(r) in self._kept or id(r) not in done | dropped) and not r.recomputed
         ]
         later.sort(key=lambda item: item[1].shape.numel())  # the largest blocks last
         for args in later:
