@@ -42,6 +42,7 @@ from torch.nn.utils.rnn import PackedSequence
 from gradkit._errors import GradkitError, message
 from gradkit._validate import check_int
 from gradkit.per_example._flat import leaves as flat_leaves
+from gradkit.per_example._loss_graph import match_loss
 
 __all__ = [
     "CallLayout",
@@ -281,8 +282,6 @@ def inner_batch_dims(
 
 # -- the loss of a backward pass ------------------------------------------------------------------
 
-_REDUCTIONS = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
-
 
 @dataclass
 class LossReduction:
@@ -295,6 +294,7 @@ class LossReduction:
     reduction: str
     rows: int | None
     root: bool = False  # the node is the grad_fn of a root itself
+    weighted: bool = False  # a mean over class weights: example i's share is w[y_i] / sum(w[y])
 
 
 def _roots_of(frame: FrameType) -> list[torch.Tensor]:
@@ -333,22 +333,14 @@ def backward_roots(depth: int = 32) -> list[torch.Tensor]:
     return _roots_of(found[0]) if len(found) == 1 else []
 
 
-def _input_rows(node: Any) -> int | None:
-    """The first dimension of the tensor ``node``'s first input had in the forward."""
-    try:
-        nxt, k = node.next_functions[0]
-        shape = list(nxt._input_metadata[k].shape)
-    except (AttributeError, IndexError, RuntimeError, TypeError):
-        return None
-    return int(shape[0]) if len(shape) >= 2 else None
-
-
 def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossReduction]:
-    """The reductions a loss certainly applied: loss nodes whose saved ``reduction`` is
-    ``mean`` or ``sum`` (``NllLossBackward0`` of ``cross_entropy``, ``MseLossBackward0``,
-    ...), and a full ``mean()``/``sum()`` taken directly of a loss with ``reduction='none'``,
-    found at a root or below root-level additions (a loss plus a regularizer). Anything else
-    (a division by a count, a scale, a custom loss) is not inspected: a constant may have
+    """The reductions a loss certainly applied (see :mod:`._loss_graph`): loss nodes whose
+    saved ``reduction`` is ``mean`` or ``sum`` (``NllLossBackward0`` of ``cross_entropy``,
+    ``MseLossBackward0``, ...), a full ``mean()``/``sum()`` taken directly of a loss with
+    ``reduction='none'``, and the node chains of the torch losses written out in torch
+    (``l1_loss``, ``kl_div``, ``cross_entropy`` with class probabilities or label smoothing,
+    ...), found at a root or below root-level additions (a loss plus a regularizer). Anything
+    else (a division by a count, a scale, a custom loss) is not inspected: a constant may have
     turned a sum into a mean."""
     found: list[LossReduction] = []
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -357,24 +349,15 @@ def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossRedu
         if not stack:
             break
         node = stack.pop()
+        m = match_loss(node)
+        if m is not None:
+            found.append(
+                LossReduction(node, m.label, m.reduction, m.rows, node in tops, m.weighted)
+            )
+            continue
         name = type(node).__name__
         if name in ("AddBackward0", "AddBackward1") and getattr(node, "_saved_alpha", 1) == 1:
             stack.extend(n for n, _ in node.next_functions if n is not None)
-            continue
-        saved = getattr(node, "_saved_reduction", None)
-        if isinstance(saved, int) and saved in _REDUCTIONS:
-            label = f"{name} (reduction='{_REDUCTIONS[saved]}')"
-            found.append(
-                LossReduction(node, label, _REDUCTIONS[saved], _input_rows(node), node in tops)
-            )
-        elif name in ("MeanBackward0", "SumBackward0"):
-            inner = [n for n, _ in node.next_functions if n is not None]
-            if len(inner) == 1 and getattr(inner[0], "_saved_reduction", None) == 0:
-                label = f"{type(inner[0]).__name__} (reduction='none') then {name}"
-                sizes: tuple[int, ...] = tuple(getattr(node, "_saved_self_sym_sizes", ()))
-                rows = int(sizes[0]) if sizes else None
-                kind = "mean" if name.startswith("Mean") else "sum"
-                found.append(LossReduction(node, label, kind, rows, node in tops))
     return found
 
 
@@ -392,6 +375,20 @@ def reaches(node: Any, targets: set[Any], limit: int = 200_000) -> bool:
     return False
 
 
+def _weighted_mean_message(label: str) -> str:
+    return message(
+        "per_example.track(model, ...)",
+        "loss_reduction",
+        f"a loss whose mean gives each example the share 1/N; it ends in {label}, a mean over "
+        "class weights that gives example i the share w[y_i] / sum(w[y])",
+        "loss_reduction='mean', which would give statistics of N * w[y_i] / sum(w[y]) * g_i, "
+        "which depend on the rest of the batch",
+        "pass loss_reduction='sum' (l_i = w[y_i] * loss_i / sum(w[y])), or build the loss with "
+        "reduction='sum' (dividing it by the weights' sum yourself if needed) and pass "
+        "loss_reduction='sum'",
+    )
+
+
 def check_loss_reduction(
     declared: str, n: int | None, targets: set[Any], roots: list[torch.Tensor] | None = None
 ) -> None:
@@ -400,16 +397,23 @@ def check_loss_reduction(
     :func:`backward_roots`), ``n`` examples reaching the graph nodes ``targets`` (see
     :func:`loss_reductions`). A mean over other rows than the examples (tokens) read as a sum
     is a valid choice (``l_i`` = the example's token losses over their count) and goes
-    through."""
+    through; so does a class-weighted mean read as a sum (``l_i = w[y_i] loss_i /
+    sum(w[y])``), which is refused as a mean: its shares are not ``1/N``."""
     roots = backward_roots() if roots is None else roots
     for found in loss_reductions(roots):
-        if found.reduction == declared:
-            continue
-        if found.reduction == "mean" and (n is None or found.rows != n):
+        if found.weighted:  # read as a sum, l_i = w[y_i] * loss_i / sum(w[y]); N = 1: share 1
+            passes = declared == "sum" or n == 1
+        else:  # a mean over other rows than the examples (tokens) read as a sum passes
+            passes = found.reduction == declared or (
+                found.reduction == "mean" and (n is None or found.rows != n)
+            )
+        if passes:
             continue
         only_root = found.root and len(roots) == 1  # the backward reached the model through it
         if not only_root and not reaches(found.node, targets):
             continue
+        if found.weighted:
+            raise GradkitError(_weighted_mean_message(found.label))
         over = f"{found.rows} rows" if found.rows is not None else "its rows"
         off = (
             "N * g_i (the variance N**2 too large)"
