@@ -142,3 +142,20 @@ def test_many_tracked_modules_do_not_recompile_gradkits_hooks() -> None:
     ref = per_example_grads(model, lambda o, _: o.pow(2).sum(), x, None)
     for name, g in ref.items():
         torch.testing.assert_close(stats[name].variance, g.var(0, unbiased=False))
+
+
+def test_tracking_an_eager_model_does_not_load_dynamo() -> None:
+    """torch.compiler.disable imports Dynamo (70 MiB of a process): a process that never
+    compiles must not pay it for track()."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, gradkit\n"
+        "m = torch.nn.Linear(3, 2)\n"
+        "with gradkit.per_example.track(m, 'variance'):\n"
+        "    m(torch.randn(4, 3)).pow(2).sum().backward()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False", run.stdout + run.stderr

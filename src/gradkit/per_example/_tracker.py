@@ -154,13 +154,24 @@ def _named_parameters(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Pa
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, run eagerly (a graph break) when Dynamo traces the model: it records the call
-    and hooks the graph autograd builds, which a compiled trace of it would not do. Outside
-    ``torch.compile`` the wrapper costs about 0.4 us a call (torch 2.13). A wrapper that
-    called ``torch.compiler.disable(hook)`` only while compiling was itself compiled as a frame,
-    one recompilation per module (its closure), and a model of more than eight tracked modules
-    hit Dynamo's recompile limit."""
+    and hooks the graph autograd builds, which a compiled trace of it would not do.
 
-    return torch.compiler.disable(hook)
+    Where Dynamo is loaded (``torch.compile`` was called), the hook is wrapped by
+    ``torch.compiler.disable`` once: about 0.4 us a call in eager mode (torch 2.13). A wrapper
+    that disabled the hook only while compiling was itself compiled as a frame, one
+    recompilation per module (its closure): a model of more than eight tracked modules hit
+    Dynamo's recompile limit. Where it is not loaded, that wrapper is kept (a flag read per
+    call): ``torch.compiler.disable`` imports Dynamo, 70 MiB of a process that never compiles,
+    and a model compiled only later, inside the block, still gets its hooks run eagerly."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(hook)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(hook)(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    return run
 
 
 class _PassEnd:
