@@ -162,6 +162,15 @@ def find_error_nodes(forward: torch.Tensor, grads: Iterable[torch.Tensor | None]
     return sorted({n.name() for n in graph_nodes(roots) if "Error" in type(n).__name__})
 
 
+def _labelled(inputs: Any, targets: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    """A batch's tensors, each with its label in errors (``data[1] inputs[0]``)."""
+    parts = inputs if isinstance(inputs, tuple) else (inputs,)
+    named = [
+        (f"{where} inputs[{i}]", t) for i, t in enumerate(parts) if isinstance(t, torch.Tensor)
+    ]
+    return [*named, (f"{where} targets", targets)]
+
+
 class Data:
     """The model, the loss and the batches of one operator.
 
@@ -252,24 +261,14 @@ class Data:
         None where the mean is over the examples), in one pass over the data."""
         spec = self._mean_targets()
         total, divisors = 0, []
-        device = next(self.model.parameters()).device if spec is not None else None
+        device = next(self.model.parameters()).device
         for index, (inputs, targets, n) in enumerate(self):
             total += n
             if spec is not None:  # the divisor is read here, before any forward: check first
                 where = "data" if self.single else f"data[{index}]"
-                parts = inputs if isinstance(inputs, tuple) else (inputs,)
-                named = [(f"{where} inputs[{i}]", t) for i, t in enumerate(parts)]
-                for label, t in [*named, (f"{where} targets", targets)]:
-                    if isinstance(t, torch.Tensor) and t.device != device:
-                        raise ValueError(
-                            message(
-                                self.call,
-                                label,
-                                f"a tensor on the parameters' device ({device})",
-                                f"a tensor on {t.device}",
-                                f"move the data with .to({str(device)!r})",
-                            )
-                        )
+                for label, t in _labelled(inputs, targets, where):
+                    if t.device != device:
+                        raise self._device_error(label, t, device)
                 divisors.append(float(_mean.divisor(spec, targets)))
         return total, None if spec is None else divisors
 
@@ -336,12 +335,18 @@ class Data:
 
     def _first_tensors(self) -> list[tuple[str, torch.Tensor]]:
         inputs, targets = next(iter(self._batches))
-        prefix = "data" if self.single else "data[0]"
-        parts = inputs if isinstance(inputs, tuple) else (inputs,)
-        named = [
-            (f"{prefix} inputs[{i}]", t) for i, t in enumerate(parts) if isinstance(t, torch.Tensor)
-        ]
-        return [*named, (f"{prefix} targets", targets)]
+        return _labelled(inputs, targets, "data" if self.single else "data[0]")
+
+    def _device_error(self, label: str, t: torch.Tensor, device: torch.device) -> ValueError:
+        return ValueError(
+            message(
+                self.call,
+                label,
+                f"a tensor on the parameters' device ({device})",
+                f"a tensor on {t.device}",
+                f"move the data with .to({str(device)!r})",
+            )
+        )
 
     def first(self, build: Callable[[], T], dtype: torch.dtype) -> T:
         """Run ``build`` (the first batch's forward and backward), wording the errors of data
@@ -369,15 +374,7 @@ class Data:
             text = str(err)
             for label, t in self._first_tensors():
                 if t.device != device and "device" in text:
-                    raise ValueError(
-                        message(
-                            self.call,
-                            label,
-                            f"a tensor on the parameters' device ({device})",
-                            f"a tensor on {t.device}",
-                            f"move the data with .to({str(device)!r})",
-                        )
-                    ) from err
+                    raise self._device_error(label, t, device) from err
                 if t.is_floating_point() and t.dtype != dtype and "dtype" in text.lower():
                     raise TypeError(
                         message(
