@@ -131,13 +131,11 @@ def _choose(pe: ConvWeightGrad, start: int, stop: int) -> tuple[str, _Trial | No
     on the blocks of the first tracked steps, where they run amid the backward pass: a run of
     :data:`_RUNS` blocks by each method, each keeping its best time but its first, and the
     faster is kept for the rest of the process. One shape is timed at a time, the others
-    computing their blocks by :data:`_WAITING` (or their choice) meanwhile: a method's time
-    depends on what the layers around it do (on DeepOBS 3c3d the grouped convolution of the
-    second layer takes 14 ms after the third layer's grouped convolution, 24 ms after its
-    unfolded patches). Timed back to back on the first block instead, the two methods for the
-    demo CNN's second convolution came within the machine's noise of each other, and the one
-    picked in a third of the processes made its tracked step 3 to 5 % slower. On other devices
-    (no timing without a synchronize) it is ``"grouped"``."""
+    computing their blocks by :data:`_WAITING` (or their choice) meanwhile, so that both runs
+    of a shape see the same layers around them. Timed back to back on the first block instead,
+    the two methods for the demo CNN's second convolution came within the machine's noise of
+    each other, and the one picked in a third of the processes made its tracked step 3 to 5 %
+    slower. On other devices (no timing without a synchronize) it is ``"grouped"``."""
     if _FORCE is not None:
         return _FORCE, None
     x, g = pe.uses[0]
