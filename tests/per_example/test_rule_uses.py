@@ -121,3 +121,32 @@ def test_a_rules_malformed_result_is_refused_by_name(rule_slot, rule, error, wor
     with pytest.raises(error) as raised, gradkit.per_example.track(model, "variance"):
         model(torch.randn(5, 3)).pow(2).sum(1).mean().backward()
     assert all(w in str(raised.value) for w in words), str(raised.value)
+
+
+def _doubled_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    per_example = sum((u.inputs[0] * u.grad_output).flatten(1).sum(1) for u in uses)
+    return {"s": Materialized(2 * per_example)}
+
+
+def _last_use_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    for u in uses:  # reads every use, keeps the last
+        per_example = (u.inputs[0] * u.grad_output).flatten(1).sum(1)
+    return {"s": Materialized(per_example)}
+
+
+@pytest.mark.parametrize("rule", [_doubled_rule, _last_use_rule])
+def test_a_rule_whose_sum_is_not_autograds_is_refused_when_read(rule_slot, rule) -> None:
+    """A rule 2x off (its mean, read at the edges, stayed right while the second moment was 4x)
+    or one that iterates over the uses but keeps the last: their per-example gradients do not
+    sum to the gradient autograd sent the parameter. The statistics are refused when read,
+    naming the parameter and the rule's module; p.grad is autograd's."""
+    rule_slot(rule)
+    torch.manual_seed(0)
+    model = Twice().double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    with gradkit.per_example.track(model, "mean", "variance") as stats:
+        _loss(model(x), y).backward()
+    want = per_example_grads(model, _loss, x, y)
+    torch.testing.assert_close(model.scale.s.grad, want["scale.s"].mean(0))
+    with pytest.raises(gradkit.GradkitError, match=r"'scale.s' of scale \(Scale\).*sum to"):
+        stats["lin.weight"].var()

@@ -59,6 +59,9 @@ class UseRecord:
     base: Node | None = None  # the base's node of an output that is a view of part of it
     arrivals: int = 0  # output gradients received (backward passes through this call)
     base_visits: int = 0  # of those, gradients of the base of a partial view (hook_target)
+    # a user's rule is checked against autograd: the gradient its call sent into each
+    # parameter in this pass (see Tracker._verify_hook), None when not checked
+    verify: dict[int, torch.Tensor] | None = None
 
     def release_graph(self) -> None:
         """Drop the references to graph nodes once this backward has read them. The record
@@ -67,6 +70,7 @@ class UseRecord:
         the inputs would leak). A later backward through a retained graph then takes the mean
         from the rule's output instead of the edges."""
         self.mean.release()
+        self.verify = None
         self.nodes = []
         self.base = None
         self.call.output = None  # an expanded output holds the hook that holds this record

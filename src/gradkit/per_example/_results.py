@@ -44,6 +44,10 @@ class TrackerResults(Mapping[str, ParamStats]):
     def _check_complete(self, call: str) -> None:
         """Refuse to go on after a backward pass that ended part-way (see the tracker)."""
 
+    def _check_rule_sums(self, call: str) -> None:
+        """Refuse statistics a user's rule gave that do not sum to autograd's gradient (see the
+        tracker)."""
+
     def _check_reruns(self, call: str) -> None:
         """Refuse statistics a module's re-run example by example did not reproduce (see the
         tracker)."""
@@ -55,6 +59,7 @@ class TrackerResults(Mapping[str, ParamStats]):
         re-runs did not reproduce a module's output (:meth:`_check_reruns`)."""
         self._check_complete(call)
         self._check_reruns(call)
+        self._check_rule_sums(call)
         if self._active and self._unbackwarded:
             raise GradkitError(
                 message(

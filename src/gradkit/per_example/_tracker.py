@@ -188,6 +188,25 @@ class _PassEnd:
         self.tracker._finalize()
 
 
+def _summed(pe: PerExampleGrad) -> torch.Tensor:
+    """``sum_n g_n`` of a rule's result (by its closed form, else over its blocks)."""
+    total = pe.power_sum(1)
+    if total is None:
+        blocks = [b.sum(0) for b in pe.chunks(max(1, pe.num_examples))]
+        total = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
+    return total.detach()
+
+
+def _differs(total: torch.Tensor, edge: torch.Tensor) -> torch.Tensor:
+    """Whether a rule's sum ``total`` is not autograd's ``edge`` to rounding (a 0-dim bool
+    tensor: no host sync): within 1e-3 of the larger magnitude in float32 and below, 1e-8 in
+    float64 (different orders of summation)."""
+    total = total.to(edge.dtype).reshape(edge.shape)
+    rtol = 1e-8 if edge.dtype == torch.float64 else 1e-3
+    scale = torch.maximum(edge.abs().max(), total.abs().max())
+    return (total - edge).abs().max().gt(rtol * scale + torch.finfo(edge.dtype).tiny)
+
+
 def _low_precision(outputs: Sequence[Any]) -> bool:
     """Whether a call's outputs are in a floating dtype below float32 (bf16/fp16: autocast or
     a low-precision model), which its backward's products use too."""
@@ -286,6 +305,11 @@ class Tracker(TrackerResults):
         self._records: list[UseRecord] = []  # uses whose graph references are still held
         self._builds_graph = False  # the pass under way runs with create_graph
         self._kept: set[int] = set()  # calls whose graph the last pass kept (create_graph)
+        # a user's rule's sums over examples and its calls in this pass, checked at the pass's
+        # end against the gradients autograd sent the parameters (_check_rule_sums)
+        self._rule_sums: list[tuple[str, list[UseRecord], dict[int, torch.Tensor]]] = []
+        # (rule of module, parameter, whether its sum missed autograd's): read with the stats
+        self._rule_flags: list[tuple[str, str, torch.Tensor]] = []
         self._done: list[UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         # per-example gradients kept (batch_grad) are written at the pass's end, after
@@ -503,6 +527,13 @@ class Tracker(TrackerResults):
                 torch.autograd.graph.register_multi_grad_hook(live, on_grads, mode="all")
             for node, ks in mean.by_node().items():  # read the mean there
                 node.register_hook(self._edge_hook(record, ks))
+            if not builtin(st.rule) and not _low_precision(live):
+                # a user's rule: the gradient this call sends each parameter, to check the
+                # rule's per-example sum against at the pass's end (see _check_rules)
+                edges = mean if at_edges else EdgeMean.find(params, (args, kwargs), live)
+                record.verify = {}
+                for node, ks in edges.by_node().items():
+                    node.register_hook(self._verify_hook(record, ks))
             return replacement
 
         return hook
@@ -556,6 +587,19 @@ class Tracker(TrackerResults):
                     now = record.mean.on_edge(pid, g, scale)
                     if now is not None:
                         self._accs[pid].add_sum(1, now, alpha=scale)
+
+        return hook
+
+    def _verify_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _: Any) -> None:
+            if not self._active or record.verify is None:
+                return
+            for k, pid in ks:
+                g = grad_inputs[k]
+                if g is not None:
+                    g = g.detach().to_dense() if g.is_sparse else g.detach()
+                    prev = record.verify.get(pid)
+                    record.verify[pid] = g.clone() if prev is None else prev + g
 
         return hook
 
@@ -660,6 +704,14 @@ class Tracker(TrackerResults):
         if isinstance(uses, CheckedUses):
             uses.check(st.rule, st.label)
         check_result(st.rule, pes, st.module, st.params, st.label)
+        if not builtin(st.rule) and all(r.verify is not None for r, _ in pending):
+            # before the statistics use the blocks (they may square them in place)
+            sums = {
+                st.pids[k]: _summed(pes[k])
+                for k in st.params
+                if k in pes and st.pids[k] not in self._left_out
+            }
+            self._rule_sums.append((st.label, [r for r, _ in pending], sums))
         record = pending[0][0]
         if len(pending) == 1 and record.sums is not None and "weight" in pes:
             pes["weight"].on_block = record.sums.add  # the layer's backward sums them
@@ -705,6 +757,45 @@ class Tracker(TrackerResults):
             per_example = max(1, pe.shape.numel()) * 4 * 4  # block, cast, power, temporaries
             chunk = max(1, self._max_memory // per_example)
         add_block(acc, pe, scale, self._want, mean_given=mean_given, chunk_size=chunk)
+
+    def _compare_rule_sums(self) -> None:
+        """At a pass's end, when every edge has delivered: flag each parameter of a user's rule
+        whose per-example gradients do not sum to the gradient autograd sent it (a factor, a
+        use left out); the flags are read with the statistics (no host sync here)."""
+        checks, self._rule_sums = self._rule_sums, []
+        for label, records, sums in checks:
+            for pid, total in sums.items():
+                parts = [r.verify.get(pid) for r in records if r.verify is not None]
+                edges = [p for p in parts if p is not None]
+                if edges and len(edges) == len(records):  # every call's gradient arrived
+                    edge = edges[0] if len(edges) == 1 else torch.stack(edges).sum(0)
+                    self._rule_flags.append((label, self._names[pid], _differs(total, edge)))
+            for r in records:
+                if r.verify is not None:
+                    r.verify = {}
+
+    def _check_rule_sums(self, call: str) -> None:
+        """Refuse statistics where a user's rule's per-example gradients did not sum to what
+        autograd computed for the parameter (see :meth:`_compare_rule_sums`)."""
+        if not self._rule_flags:
+            return
+        wrong = [
+            f"{name!r} of {label}" for label, name, differs in self._rule_flags if bool(differs)
+        ]
+        if not wrong:
+            self._rule_flags.clear()
+            return
+        raise GradkitError(
+            message(
+                call,
+                "model",
+                "per-example gradients from each registered rule that sum, over the examples, "
+                "to the gradient autograd computes for the parameter",
+                ", ".join(dict.fromkeys(wrong)) + ": the rule's per-example gradients sum to "
+                "something else (a factor, a use or a term left out)",
+                "fix the rule (check it against gradkit.testing.per_example_grads)",
+            )
+        )
 
     def _check_reruns(self, call: str) -> None:
         """Refuse statistics where the fallback re-ran a module example by example and did not
@@ -768,6 +859,7 @@ class Tracker(TrackerResults):
             if st.pending:
                 self._process(st)
             st.forward_count = 0
+        self._compare_rule_sums()
         later, self._later = self._later, []
         deferred, self._deferred = self._deferred, {}
         done, self._done = {id(r) for r in self._done}, []
