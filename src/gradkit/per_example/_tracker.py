@@ -529,7 +529,7 @@ class Tracker(TrackerResults):
                 node.register_hook(self._edge_hook(record, ks))
             if not builtin(st.rule) and not _low_precision(live):
                 # a user's rule: the gradient this call sends each parameter, to check the
-                # rule's per-example sum against at the pass's end (see _check_rules)
+                # rule's per-example sum against at the pass's end (see _compare_rule_sums)
                 edges = mean if at_edges else EdgeMean.find(params, (args, kwargs), live)
                 record.verify = {}
                 for node, ks in edges.by_node().items():
