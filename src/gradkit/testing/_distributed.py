@@ -60,8 +60,11 @@ def run_ranks(
                     f"run_ranks({script}): rank {rank} exited with {p.returncode}:\n{text}"
                 )
             outputs.append(text)
-    finally:
-        for p in procs:
+    finally:  # reap every rank: one left running when another failed is killed, then waited
+        for p in procs:  # for (else its Popen warns "still running" when collected)
             if p.poll() is None:
                 p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
     return outputs
