@@ -70,35 +70,11 @@ def _maps(roots: Sequence[Node], calls: set[Node]) -> tuple[dict[Node, list[Node
     return parents, {node for node, d in depends.items() if d}
 
 
-def _on_examples(
+def _reached_uses(
     parents: Mapping[Node, list[Node]], depends: set[Node], sources: list[Node]
-) -> int:
-    """How many of the edges from ``sources`` reach a node that depends on a tracked call's
-    output and has an output with a dimension, through nodes that depend on none."""
-    count = 0
-    for source in sources:
-        todo, seen, on_examples = [source], set(), False
-        while todo and not on_examples:
-            node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            if node in depends:
-                on_examples = _has_dimension(node)
-            else:
-                todo.extend(parents.get(node, []))
-        count += on_examples
-    return count
-
-
-def _uses_on_examples(
-    parents: Mapping[Node, list[Node]], depends: set[Node], sources: list[Node]
-) -> int:
-    """How many distinct nodes that depend on a tracked call's output, with an output with a
-    dimension, the edges from ``sources`` reach through nodes that depend on none: the uses of
-    the parameter, where one of its parameter-only nodes (a layer's ``weight.t()``) feeds
-    several of them. The graph of a gradient built with ``create_graph`` does that: a Linear's
-    input gradient ``G W`` reuses the forward's own ``W.t()``."""
+) -> set[Node]:
+    """The nodes that depend on a tracked call's output, with an output with a dimension, that
+    the edges from ``sources`` reach through nodes that depend on none."""
     uses: set[Node] = set()
     todo, seen = list(sources), set()
     while todo:
@@ -111,7 +87,25 @@ def _uses_on_examples(
                 uses.add(node)
         else:
             todo.extend(parents.get(node, []))
-    return len(uses)
+    return uses
+
+
+def _on_examples(
+    parents: Mapping[Node, list[Node]], depends: set[Node], sources: list[Node]
+) -> int:
+    """How many of the edges from ``sources`` reach a node that depends on a tracked call's
+    output and has an output with a dimension, through nodes that depend on none."""
+    return sum(1 for source in sources if _reached_uses(parents, depends, [source]))
+
+
+def _uses_on_examples(
+    parents: Mapping[Node, list[Node]], depends: set[Node], sources: list[Node]
+) -> int:
+    """How many distinct such nodes the edges from ``sources`` reach together: the uses of the
+    parameter, where one of its parameter-only nodes (a layer's ``weight.t()``) feeds several
+    of them. The graph of a gradient built with ``create_graph`` does that: a Linear's input
+    gradient ``G W`` reuses the forward's own ``W.t()``."""
+    return len(_reached_uses(parents, depends, sources))
 
 
 def _has_dimension(node: Node) -> bool:

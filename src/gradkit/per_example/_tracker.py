@@ -496,7 +496,8 @@ class Tracker(TrackerResults):
             # precision: under bf16/fp16 it is rounded there (4e-3 relative), while the second
             # moment comes from per-example products in float32, and E[g^2] - mean^2 then mixes
             # the two (a variance 3.9x off at an SNR of 500). Such a call's mean is the rule's.
-            at_edges = self._want.mean and not _low_precision(live)
+            low = _low_precision(live)
+            at_edges = self._want.mean and not low
             mean = EdgeMean.find(params, (args, kwargs), live) if at_edges else EdgeMean()
             hooked, base = hook_target(output) if isinstance(output, torch.Tensor) else (None, None)
             record = UseRecord(
@@ -527,7 +528,7 @@ class Tracker(TrackerResults):
                 torch.autograd.graph.register_multi_grad_hook(live, on_grads, mode="all")
             for node, ks in mean.by_node().items():  # read the mean there
                 node.register_hook(self._edge_hook(record, ks))
-            if not builtin(st.rule) and not _low_precision(live):
+            if not builtin(st.rule) and not low:
                 # a user's rule: the gradient this call sends each parameter, to check the
                 # rule's per-example sum against at the pass's end (see _compare_rule_sums)
                 edges = mean if at_edges else EdgeMean.find(params, (args, kwargs), live)
