@@ -166,7 +166,8 @@ def sharded_norm(
     two numbers, with the finiteness flag), plus those of the replicated gradients."""
     shards = [local(p.grad) for p in params if p.grad is not None and is_dtensor(p.grad)]
     whole = [p.grad for p in params if p.grad is not None and not is_dtensor(p.grad)]
-    device = shards[0].device if shards else torch.device("cpu")
+    # the gradients' device: NCCL refuses CPU tensors (a rank may hold no shard)
+    device = next((g.device for g in [*shards, *whole]), torch.device("cpu"))
     squares = total_norm(shards) ** 2 if max_norm is not None else 0.0
     t = torch.tensor([0.0 if finite else 1.0, squares], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)

@@ -381,7 +381,8 @@ class CurvatureOperator(FlatVectors):
         tol = rtol if rtol is not None else 1e3 * tolerances(self.dtype)[0]
         self._check_params()
         g = torch.Generator(device="cpu").manual_seed(0)
-        v = torch.randn(self.shape[0], 2, generator=g, dtype=torch.float64).to(self.dtype)
+        v = torch.randn(self.shape[0], 2, generator=g, dtype=torch.float64)
+        v = v.to(device=self.device, dtype=self.dtype)  # drawn on the CPU: the same everywhere
         kept, self._point = self._point, None  # rebuild from the data each time
         try:
             first, second = self._full(v), self._full(v)

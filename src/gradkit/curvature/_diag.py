@@ -57,7 +57,8 @@ def unit_diagonal(
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         E = torch.zeros(n, stop - start, dtype=dtype, device=device)
-        E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+        rows = torch.arange(start, stop, device=device)
+        E[rows, rows - start] = 1
         out[start:stop] = product(E)[start:stop].diagonal().to(dtype)
     return out
 

@@ -86,7 +86,8 @@ def divisor(spec: TargetLoss, targets: torch.Tensor) -> torch.Tensor:
     class weight 0 (the loss is then nan)."""
     if targets.is_floating_point():  # class probabilities [N, C, *]
         classes = targets.shape[1] if targets.dim() > 1 else 1
-        return torch.tensor(targets.numel() / max(classes, 1), dtype=torch.float64)
+        count = targets.numel() / max(classes, 1)
+        return torch.tensor(count, dtype=torch.float64, device=targets.device)
     keep = targets != spec.ignore_index
     if spec.weight is None:
         return keep.sum().to(torch.float64)

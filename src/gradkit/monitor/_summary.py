@@ -61,9 +61,10 @@ class _Parts:
 
 
 def _parts(s: ParamStats) -> _Parts:
-    norm2 = float(s.mean.square().sum(dtype=torch.float64))
+    mean = s.mean
+    norm2 = float(mean.square().sum(dtype=torch.float64))
     if s.num_examples < 2:  # one example: no variance (NaN, logged as null), no ratios
-        return _Parts(math.nan, norm2, torch.empty(0, dtype=torch.float64))
+        return _Parts(math.nan, norm2, mean.new_empty(0, dtype=torch.float64))
     return _Parts(float(s.var(unbiased=True).sum(dtype=torch.float64)), norm2, snr_ratios(s))
 
 

@@ -151,6 +151,15 @@ class PowerSums:
     grads: list[torch.Tensor] = field(default_factory=list)
     owner: torch.Tensor | None = None  # the parameter, whose batch_grad storage is reused
 
+    @property
+    def device(self) -> torch.device:
+        """The parameter's device, where its statistics live (the CPU without one)."""
+        return self.owner.device if self.owner is not None else torch.device("cpu")
+
+    def zeros(self, *shape: int) -> torch.Tensor:
+        """Zeros of ``shape``, in the statistics' dtype, on the parameter's device."""
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
     def add_sum(
         self, p: int, value: torch.Tensor, alpha: float = 1.0, *, owned: bool = False
     ) -> None:
@@ -171,11 +180,11 @@ class PowerSums:
             return
         for p in ([1] if want.mean else []) + list(want.powers):
             if p not in self.sums:
-                self.sums[p] = torch.zeros(self.shape, dtype=self.dtype)
+                self.sums[p] = self.zeros(*self.shape)
         if "batch_l2" in want.quantities:
-            self.l2.append(torch.zeros(n, dtype=self.dtype))
+            self.l2.append(self.zeros(n))
         if "batch_grad" in want.quantities:
-            self.grads.append(torch.zeros((n, *self.shape), dtype=self.dtype))
+            self.grads.append(self.zeros(n, *self.shape))
         self.n += n
 
 
@@ -260,7 +269,7 @@ def merged_l2(acc: PowerSums) -> torch.Tensor:
     """``[N]``: the squared norms of ``acc``'s examples, merged into one tensor once and kept
     (the accumulator's own: a caller handing it out clones it)."""
     if not acc.l2:
-        return torch.zeros(0, dtype=acc.dtype)
+        return acc.zeros(0)
     if len(acc.l2) > 1:
         acc.l2 = [torch.cat(acc.l2)]
     return acc.l2[0]
@@ -419,7 +428,7 @@ class ParamStats:
         self._tracked("batch_grad" in self._want.quantities, "batch_grad", "'batch_grad'")
         self._ready("batch_grad")
         if not self._acc.grads:
-            return torch.zeros((0, *self._acc.shape), dtype=self._acc.dtype)
+            return self._acc.zeros(0, *self._acc.shape)
         if len(self._acc.grads) > 1:  # merge once, keep the merged tensor
             self._acc.grads = [torch.cat(self._acc.grads)]
         return self._acc.grads[0]
