@@ -150,3 +150,42 @@ def test_a_rule_whose_sum_is_not_autograds_is_refused_when_read(rule_slot, rule)
     torch.testing.assert_close(model.scale.s.grad, want["scale.s"].mean(0))
     with pytest.raises(gradkit.GradkitError, match=r"'scale.s' of scale \(Scale\).*sum to"):
         stats["lin.weight"].var()
+
+
+def _float32_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    per_example = sum((u.inputs[0] * u.grad_output).flatten(1).sum(1) for u in uses)
+    return {"s": Materialized(per_example.float())}
+
+
+def test_a_rule_less_precise_than_a_float64_model_is_refused(rule_slot) -> None:
+    """float32 per-example gradients of a float64 parameter made every statistic float32
+    (1e-7 where the model's precision is 1e-16), silently: refused, naming the dtypes."""
+    rule_slot(_float32_rule)
+    model = nn.Sequential(nn.Linear(3, 3), Scale()).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(TypeError) as raised, gradkit.per_example.track(model, "variance"):
+        model(x).pow(2).sum(1).mean().backward()
+    words = ("_float32_rule", "'s'", "precision (torch.float64)", "torch.float32 tensors")
+    assert all(w in str(raised.value) for w in words), str(raised.value)
+    rule_slot(summing_rule)  # the same sums in float64: accepted
+    with gradkit.per_example.track(model, "variance") as stats:
+        model(x).pow(2).sum(1).mean().backward()
+    assert stats["1.s"].variance.dtype == torch.float64
+
+
+def test_a_rule_in_the_calls_own_low_precision_is_accepted(rule_slot) -> None:
+    """Under bf16 autocast the call's output gradient is bf16: a rule computing in it is as
+    precise as the layer's own backward (a float32 parameter)."""
+    rule_slot(_bf16_rule)
+    model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with gradkit.per_example.track(model, "variance") as stats:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(4, 3))
+        out.float().pow(2).sum(1).mean().backward()
+    assert stats["1.s"].variance.dtype == torch.float32
+
+
+def _bf16_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, object]:
+    assert uses[0].grad_output.dtype == torch.bfloat16  # the call ran in bf16
+    per_example = sum((u.inputs[0] * u.grad_output).flatten(1).sum(1) for u in uses)
+    return {"s": Materialized(per_example.to(torch.bfloat16))}

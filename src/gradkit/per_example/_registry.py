@@ -24,7 +24,7 @@ from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._batch import Dims
-from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._grads import Materialized, OuterProduct, PerExampleGrad
 
 __all__ = [
     "Rule",
@@ -173,12 +173,19 @@ def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rul
 
 
 def check_result(
-    rule: Rule, result: Any, module: nn.Module, params: Mapping[str, Any], label: str
+    rule: Rule,
+    result: Any,
+    module: nn.Module,
+    params: Mapping[str, Any],
+    label: str,
+    call_dtype: torch.dtype | None = None,
 ) -> None:
     """Refuse what a rule returned if it is not a mapping from the module's parameter names to
     :class:`~gradkit.per_example.PerExampleGrad` (a misspelled name would leave a parameter
     without statistics; a raw tensor would fail later, somewhere unclear). ``params``: the
-    tracked ones, by local name (the module's others are looked up only for other keys)."""
+    tracked ones, by local name (the module's others are looked up only for other keys).
+    A user's rule is also refused gradients less precise than both the parameter and the
+    call's output gradient (``call_dtype``; bf16 under autocast)."""
     call = f"per_example.track: the rule {getattr(rule, '__name__', repr(rule))} of {label}"
     fix = "return {name: Materialized(grads)} ([N, *param.shape]) or another PerExampleGrad"
     if not isinstance(result, Mapping):
@@ -209,6 +216,40 @@ def check_result(
             raise TypeError(
                 message(call, f"its result for {key!r}", "a PerExampleGrad", describe(value), fix)
             )
+        param = params.get(key)
+        if builtin(rule) or param is None:
+            continue
+        coarse = _coarsest(value)
+        allowed = [param.dtype] + ([call_dtype] if call_dtype is not None else [])
+        if coarse is not None and torch.finfo(coarse).eps > max(_eps(d) for d in allowed):
+            # statistics of a float64 model from float32 gradients: 1e-7, not 1e-16, silently
+            raise TypeError(
+                message(
+                    call,
+                    f"its result for {key!r}",
+                    f"per-example gradients in the parameter's precision ({param.dtype})",
+                    f"{coarse} tensors",
+                    f"compute them in {param.dtype} (e.g. .to(grad_output.dtype)), or cast the "
+                    "model to the precision wanted",
+                )
+            )
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point or dtype.is_complex else 0.0
+
+
+def _coarsest(value: PerExampleGrad) -> torch.dtype | None:
+    """The least precise floating dtype of the tensors a :class:`Materialized` or an
+    :class:`OuterProduct` holds (None for other forms: their blocks are not computed yet)."""
+    if isinstance(value, Materialized):
+        tensors = [value.grads]
+    elif isinstance(value, OuterProduct):
+        tensors = [value.A, value.G]
+    else:
+        return None
+    dtypes = [t.dtype for t in tensors if t.is_floating_point()]
+    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else None
 
 
 def find_rule(module: nn.Module) -> Rule | None:

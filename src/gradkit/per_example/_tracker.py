@@ -704,7 +704,9 @@ class Tracker(TrackerResults):
             self._reruns.append((st.label, torch.stack(ctx.reruns).any()))
         if isinstance(uses, CheckedUses):
             uses.check(st.rule, st.label)
-        check_result(st.rule, pes, st.module, st.params, st.label)
+        grad = uses[0].grad_output
+        floating = isinstance(grad, torch.Tensor) and grad.is_floating_point()
+        check_result(st.rule, pes, st.module, st.params, st.label, grad.dtype if floating else None)
         if not builtin(st.rule) and all(r.verify is not None for r, _ in pending):
             # before the statistics use the blocks (they may square them in place)
             sums = {
