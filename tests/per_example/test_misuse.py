@@ -154,16 +154,20 @@ def test_sequence_first_layer_that_follows_batch_dim_is_refused_with_shapes():
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
 
 
-def test_limit_T_equal_N_cannot_be_told_from_shapes():
-    """What the docs say gradkit cannot check: the same model with T == N has every size
-    right, so the head's [T, N, H] is taken as [N, T, H] (batch_dim=1 is the fix)."""
+def test_T_equal_N_is_told_from_the_graph():
+    """The same model with T == N has every size right: the head's [T, N, H] was taken as
+    [N, T, H], silently. The GRU's output holds the examples in dimension 1 by its layout,
+    and the head reads that output: refused, naming where they are (batch_dim=1 is the fix)."""
     torch.manual_seed(0)
     model = RNNAll(nn.GRU).double()
     x = torch.randn(3, 3, 4, dtype=D)
     ref = per_example_grads(model, lambda o, _: cubic_seq(o).sum(), x, None, batch_dim=1)
-    with track(model, "variance") as stats:
+    with pytest.raises(GradkitError) as err, track(model, "variance"):
         cubic_seq(model(x)).mean().backward()
-    assert not torch.allclose(stats["head.weight"].variance, ref["head.weight"].var(0, False))
+    text = str(err.value)
+    for words in ("head (Linear) reads its examples in dimension 0", "in dimension 1 (the "
+                  "output of rnn (GRU); both have 3 entries)", ": 1}"):  # fmt: skip
+        assert words in text, text
     with track(model, "variance", batch_dim=1) as stats:
         cubic_seq(model(x)).mean().backward()
     assert_close(stats["head.weight"].variance, ref["head.weight"].var(0, unbiased=False))

@@ -61,6 +61,10 @@ class ModelCall:
     first: Any = None  # the input n was read from, until the first tracked call looked at it
     dim: int | None = None  # where n was read in it
     uses: int = 0  # tracked module calls made during this model call
+    # graph node of a batched call's output -> where the examples are in it, and the call's
+    # "name (Class)" (see moved_batch)
+    dims: dict[Any, tuple[int, str]] = field(default_factory=dict)
+    source: Any = None  # the input n was read from, for the whole model call (moved_batch)
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -256,6 +260,92 @@ def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:
     return None
 
 
+# single-input nodes whose output has their input's shape (activations, copies, dropout)
+_SAME_SHAPE = frozenset(
+    f"{name}Backward0"
+    for name in ("Clone", "ToCopy", "NativeDropout", "Relu", "Gelu", "Silu", "Tanh", "Sigmoid",
+                 "LeakyRelu", "Elu", "Hardtanh", "Hardswish", "Mish", "Softplus", "Neg", "Alias")
+)  # fmt: skip
+
+
+def _signed(value: Any) -> int:
+    """A dimension a node saved (a negative one comes back as its unsigned 64-bit form)."""
+    value = int(value)
+    return value - 2**64 if value >= 2**63 else value
+
+
+def moved_batch(t: torch.Tensor, d: int, n: int, model: ModelCall | None) -> tuple[int, str] | None:
+    """The dimension of ``t`` (an input of a layer, read with its examples in dimension ``d``)
+    that provably holds the examples where it is not ``d``, with where that was found; None
+    where it is ``d`` or unknown.
+
+    Only asked where another dimension of ``t`` has ``n`` entries too: sizes alone cannot tell
+    Longformer's ``hidden_states.transpose(0, 1)`` (``[T, N, d]``, sequence-first inside its
+    attention) or a sequence-first GRU's output from ``[N, T, d]`` when ``T == N``, and the rule
+    would then split the positions as examples. The graph can: from ``t``, through transposes,
+    permutes and shape-keeping single-input operations, down to the output of a batched tracked
+    call of this model call (whose examples' dimension is known), the dimensions' order followed
+    exactly; or, for a tensor without a graph, by the strides of a view of the model's input."""
+    if model is None or sum(1 for size in t.shape if size == n) < 2:
+        return None  # the sizes say it
+    if t.grad_fn is None:
+        return _moved_view(t, d, n, model)
+    rank = t.dim()
+    where = list(range(rank))  # t's dimension i is dimension where[i] of the node's output
+    node: Any = t.grad_fn  # reads the saved dimensions of transposes and permutes
+    through: list[str] = []
+    for _ in range(16):
+        if node in model.dims:
+            batch, label = model.dims[node]
+            found = [i for i in range(rank) if where[i] == batch]
+            if not found or found[0] == d:
+                return None
+            via = f" through {', '.join(dict.fromkeys(through))}" if through else ""
+            return found[0], f"the output of {label}{via}"
+        name = type(node).__name__
+        if name == "TransposeBackward0":  # y = x.transpose(a, b): y's dim k is x's swapped
+            a, b = (_signed(v) % rank for v in (node._saved_dim0, node._saved_dim1))
+            where = [b if k == a else a if k == b else k for k in where]
+        elif name == "TBackward0":
+            where = [1 - k for k in where]
+        elif name == "PermuteBackward0":  # y = x.permute(p): y's dim k is x's dim p[k]
+            order = [_signed(v) % rank for v in node._saved_dims]
+            where = [order[k] for k in where]
+        elif name not in _SAME_SHAPE:
+            return None
+        if name in ("TransposeBackward0", "TBackward0", "PermuteBackward0"):
+            through.append("a transpose" if name != "PermuteBackward0" else "a permute")
+        inputs = [nxt for nxt, _ in node.next_functions if nxt is not None]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
+
+
+def _moved_view(t: torch.Tensor, d: int, n: int, model: ModelCall) -> tuple[int, str] | None:
+    """:func:`moved_batch` for an input without a graph (the model's own input, transposed):
+    a view of the model's input whose only dimension with the examples' size and stride is
+    not ``d``."""
+    src, dim = model.source, model.dim
+    if src is None or dim is None or t is src or not t._is_view():
+        return None
+    if t._base is not (src._base if src._is_view() else src):
+        return None
+    stride = src.stride(dim)
+    found = [j for j in range(t.dim()) if t.shape[j] == n and t.stride(j) == stride]
+    if len(found) != 1 or found[0] == d:
+        return None
+    return found[0], "a view of the model's input"
+
+
+def _moved_problem(moved: tuple[int, str], d: int, n: int) -> str:
+    dim, source = moved
+    return (
+        f"reads its examples in dimension {d} of its input, but they are in dimension {dim} "
+        f"({source}; both have {n} entries): pass batch_dim={{<its name or its block's>: {dim}}}"
+    )
+
+
 def _simple_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -275,7 +365,7 @@ def _simple_call(
     if not output.requires_grad:
         return None
     n = output.shape[0]
-    if x.shape[0] != n:
+    if x.shape[0] != n or moved_batch(x, 0, n, model) is not None:
         return None
     if model is not None:
         model.adopt([x], layout.inputs)
@@ -334,6 +424,14 @@ def split_call(
             mode = "mismatch"
     elif n is None:
         mode = "mismatch"
+    problem = ""
+    if mode == "batched" and n is not None:
+        for t, d in zip(in_leaves, layout.inputs, strict=True):
+            if isinstance(t, torch.Tensor) and d is not None:
+                moved = moved_batch(t, d, n, model)
+                if moved is not None:
+                    mode, problem = "mismatch", _moved_problem(moved, d, n)
+                    break
     if mode == "mismatch":
         shapes = [tuple(t.shape) for t in out_leaves if isinstance(t, torch.Tensor)]
         return Call(
@@ -345,7 +443,8 @@ def split_call(
             [False] * len(out_leaves),
             mode=mode,
             out_spec=out_spec,
-            problem=(
+            problem=problem
+            or (
                 f"returned outputs of shapes {shapes} holding "
                 f"{sorted(s for s in sizes if s is not None)} examples along their batch "
                 f"dimension ({_dims_text(layout.output, batch_dim)}), while the model's input "

@@ -331,7 +331,8 @@ def model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) ->
         for t in flat_leaves(value):
             if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
                 shape = t.shape[:batch_dim] + t.shape[batch_dim + 1 :]
-                return ModelCall(int(t.shape[batch_dim]), tuple(shape), first=t, dim=batch_dim)
+                n = int(t.shape[batch_dim])
+                return ModelCall(n, tuple(shape), first=t, dim=batch_dim, source=t)
     return ModelCall(None, None)
 
 

@@ -24,7 +24,8 @@ layer count of 2 over a micro-batch of 2 examples is no batch dimension):
 A ``batch_dim`` that names a dimension a layer reads as features (the last dimension of a
 Linear's input, the normalized dimensions of a LayerNorm) is refused at the forward call
 (:func:`check_feature_dims`): split there, the statistics would be those of another quantity.
-Sizes alone cannot tell a ``[T, N, d]`` tensor from an ``[N, T, d]`` one when ``T == N``.
+Sizes alone cannot tell a ``[T, N, d]`` tensor from an ``[N, T, d]`` one when ``T == N``; the
+graph sometimes can (:func:`._batch.moved_batch`).
 """
 
 from __future__ import annotations

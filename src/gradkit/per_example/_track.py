@@ -106,8 +106,9 @@ def track(
         raises). A layer that cannot be split by example (one that sees the examples reshaped
         untraceably, ``[T * N, d]``; T5's relative attention bias) raises a
         :class:`GradkitError` rather than return statistics of another number of examples;
-        a ``[T, N, d]`` tensor read with ``batch_dim=0`` when ``T == N`` cannot be told from
-        an ``[N, T, d]`` one.
+        a ``[T, N, d]`` tensor read with ``batch_dim=0`` when ``T == N`` is told from an
+        ``[N, T, d]`` one only where the graph shows it (a transpose of a batched layer's
+        output: refused, naming the dimension).
     """
     return Tracker(
         model,

@@ -491,6 +491,12 @@ class Tracker(TrackerResults):
                 live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if call.mode == "merged" and isinstance(output, torch.Tensor):
                 self._model_calls[-1].merged[output.grad_fn] = call.positions
+            elif call.mode == "batched" and self._model_calls:
+                # where later layers' inputs come from (moved_batch): the examples' dimension
+                known = self._model_calls[-1].dims
+                for t, d in zip(leaves, call.out_dims, strict=False):
+                    if d is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                        known[t.grad_fn] = (d, st.label)
             params = {st.pids[k]: p for k, p in st.params.items()}
             # the sum of the gradients at the edges is autograd's product, in the layer's
             # precision: under bf16/fp16 it is rounded there (4e-3 relative), while the second

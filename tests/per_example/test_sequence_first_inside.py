@@ -1,0 +1,172 @@
+"""A model that is batch-first outside and sequence-first inside a block (Longformer's attention
+runs its q/k/v Linear layers on ``hidden_states.transpose(0, 1)``, ``[T, N, d]``).
+
+Where ``T != N`` the sizes refuse the split; where ``T == N`` they cannot tell, and reading
+dimension 0 as the examples gave the per-position gradients as per-example ones, silently
+(Longformer's query weight: per-example gradients 1.3x off, variance 1.6x). The examples'
+dimension is now followed through the graph from the output of a batched layer: refused with
+the dimension to give, and exact once ``batch_dim`` says it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradkit
+from gradkit.per_example import track
+from gradkit.testing import per_example_grads
+
+D = torch.float64
+
+
+class SequenceFirstInside(nn.Module):
+    """``[N, T, d]`` in and out; ``inner`` sees ``[T, N, d]`` (by ``how``)."""
+
+    def __init__(self, how: str, back: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.how, self.back = how, back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        if self.how == "transpose":
+            h = h.transpose(0, 1)
+        elif self.how == "permute":
+            h = h.permute(1, 0, 2).contiguous()
+        elif self.how == "movedim":
+            h = torch.relu(h.movedim(1, 0))
+        if self.back:  # and back to batch-first before the layer: the examples in dimension 0
+            h = h.transpose(0, 1)
+        z = self.inner(h)
+        if self.how != "none" and not self.back:
+            z = z.transpose(0, 1)
+        return self.head(z).sum(1)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y)
+
+
+def _data(n: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, t, 4, generator=g, dtype=D), torch.randint(0, 2, (n,), generator=g)
+
+
+@pytest.mark.parametrize("how", ["transpose", "permute", "movedim"])
+def test_a_layer_on_a_transposed_batch_of_as_many_positions_is_refused(how: str) -> None:
+    torch.manual_seed(0)
+    model = SequenceFirstInside(how).double()
+    x, y = _data(3, 3)  # T == N
+    with pytest.raises(gradkit.GradkitError) as raised, track(model, "variance"):
+        _loss(model(x), y).backward()
+    text = str(raised.value)
+    assert "inner (Linear) reads its examples in dimension 0" in text, text
+    assert "they are in dimension 1" in text and "batch_dim={<its name or its block's>: 1}" in text
+    assert model.inner.weight.grad is None  # refused before any gradient
+
+
+@pytest.mark.parametrize("how", ["transpose", "permute", "movedim"])
+def test_the_batch_dim_it_names_gives_the_oracles_gradients(how: str) -> None:
+    torch.manual_seed(0)
+    model = SequenceFirstInside(how).double()
+    x, y = _data(3, 3)
+    want = per_example_grads(model, _loss, x, y)
+    with track(model, "variance", "batch_grad", batch_dim={"": 0, "inner": 1}) as stats:
+        _loss(model(x), y).backward()
+    for name, g in want.items():
+        torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_transpose_back_to_batch_first_is_not_refused() -> None:
+    torch.manual_seed(0)
+    model = SequenceFirstInside("transpose", back=True).double()
+    x, y = _data(3, 3)
+    want = per_example_grads(model, _loss, x, y)
+    with track(model, "batch_grad") as stats:
+        _loss(model(x), y).backward()
+    for name, g in want.items():
+        torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+class InputTransposed(nn.Module):
+    """The model's own input (no graph) transposed to ``[T, N, d]`` for its first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.transpose(0, 1)).sum(0)
+
+
+def test_a_layer_on_the_models_transposed_input_is_refused_too() -> None:
+    torch.manual_seed(0)
+    model = InputTransposed().double()
+    x, y = _data(3, 3)
+    refused = "inner \\(Linear\\) reads its examples"
+    with pytest.raises(gradkit.GradkitError, match=refused), track(model, "variance"):
+        _loss(model(x), y).backward()
+    want = per_example_grads(model, _loss, x, y)
+    with track(model, "batch_grad", batch_dim={"": 0, "inner": 1}) as stats:
+        _loss(model(x), y).backward()
+    for name, g in want.items():
+        torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+def test_other_sizes_are_refused_by_the_sizes_as_before() -> None:
+    torch.manual_seed(0)
+    model = SequenceFirstInside("transpose").double()
+    x, y = _data(3, 5)
+    refused = "inner \\(Linear\\) returned outputs"
+    with pytest.raises(gradkit.GradkitError, match=refused), track(model, "variance"):
+        _loss(model(x), y).backward()
+
+
+def test_longformer_with_as_many_positions_as_examples() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LongformerConfig(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=24,
+        attention_window=4,
+        pad_token_id=1,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.LongformerForSequenceClassification(config).double()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 60, (4, 4), generator=g)  # N == T == the attention window
+    kwargs = {"attention_mask": torch.ones(4, 4, dtype=torch.long)}
+    kwargs["global_attention_mask"] = torch.zeros(4, 4, dtype=torch.long)
+    y = torch.tensor([0, 2, 1, 2])
+
+    def loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, labels)
+
+    def logits(ids: torch.Tensor, index: slice) -> torch.Tensor:
+        return model(input_ids=ids, **{k: v[index] for k, v in kwargs.items()}).logits
+
+    refused = "attention.self.query \\(Linear\\) reads"
+    with pytest.raises(gradkit.GradkitError, match=refused), track(model, "variance"):
+        loss(logits(ids, slice(None)), y).backward()
+    model.zero_grad(set_to_none=True)
+    inner = {"": 0, "longformer.encoder.layer.0.attention.self": 1}
+    with track(model, "batch_grad", batch_dim=inner) as stats:
+        loss(logits(ids, slice(None)), y).backward()
+    key = "longformer.encoder.layer.0.attention.self.query.weight"
+    rows = []
+    for i in range(4):
+        model.zero_grad(set_to_none=True)
+        loss(logits(ids[i : i + 1], slice(i, i + 1)), y[i : i + 1]).backward()
+        rows.append(model.get_parameter(key).grad.clone())
+    torch.testing.assert_close(stats[key].batch_grad, torch.stack(rows), rtol=1e-10, atol=1e-12)
