@@ -102,6 +102,7 @@ from gradkit.per_example._capture import (
     tracked_modules,
 )
 from gradkit.per_example._edge_mean import EdgeMean
+from gradkit.per_example._flat import flatten, unflatten
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._fused import WeightSum, fusable_call, fused_output
 from gradkit.per_example._grads import PerExampleGrad
@@ -205,6 +206,20 @@ def _differs(total: torch.Tensor, edge: torch.Tensor) -> torch.Tensor:
     rtol = 1e-8 if edge.dtype == torch.float64 else 1e-3
     scale = torch.maximum(edge.abs().max(), total.abs().max())
     return (total - edge).abs().max().gt(rtol * scale + torch.finfo(edge.dtype).tiny)
+
+
+def _own_outputs(output: Any) -> Any:
+    """``output`` with each tensor that requires grad replaced by a view of itself, for the
+    fallback's module of several outputs. Where the module computed one output from another
+    (CLIP's tower outputs beside the embeddings made from them, attention weights beside the
+    attention's output), a hook on the first gets the gradient through the second too, and the
+    fallback, re-running the module with both gradients, counted that path twice (2x and 3x per
+    example on CLIP's layers). A view's hook gets only what reaches it from outside."""
+    values, spec = flatten(output)
+    return unflatten(
+        [t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in values],
+        spec,
+    )
 
 
 def _low_precision(outputs: Sequence[Any]) -> bool:
@@ -475,6 +490,8 @@ class Tracker(TrackerResults):
                 replacement = fused_output(st.fusion, module, args[0], output, sums)
                 if replacement is None:
                     sums = None
+            if replacement is None and st.rule is vmap_rule and len(live) > 1:
+                replacement = _own_outputs(output)
             if replacement is not None:
                 if call.mode in ("broadcast", "unbatched"):
                     for old, new, d in zip(

@@ -1,0 +1,111 @@
+"""A module under the vmap fallback that returns, beside its result, tensors the result was
+computed from (Hugging Face's CLIPModel returns its towers' outputs next to the embeddings it
+projects from them; a Whisper classifier with a weighted layer sum, every layer's hidden state).
+
+The gradient hooked on such an intermediate output included the path through the result, and
+the fallback, re-running the module with every output's gradient, counted that path again: the
+per-example gradients of the layers inside were 2x and 3x the oracle's, silently (their sum 3x
+``p.grad``). Each output is now hooked through a view of its own, whose gradient is only what
+reaches it from outside the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradkit.per_example import track
+
+D = torch.float64
+
+
+class Chained(nn.Module):
+    """A parameter of its own (so no rule: the fallback), and outputs computed one from another."""
+
+    def __init__(self, returns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+        self.enc, self.proj = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.returns = returns
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.enc(x)
+        p = self.proj(torch.tanh(h))
+        e = p / p.norm(dim=-1, keepdim=True)
+        outputs = {"e": e, "p": p, "h": h, "scaled": self.s * e}
+        return {k: outputs[k] for k in self.returns}
+
+
+def _losses(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    total = (out["scaled"] * target).sum(1)
+    if "h" in out:  # the loss may read an intermediate output too
+        total = total + out["h"].pow(2).sum(1)
+    return total
+
+
+def _oracle(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in model.named_parameters()]
+    rows: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(
+            _losses(model(x[i : i + 1]), target[i : i + 1]).sum(), list(model.parameters())
+        )
+        for n, g in zip(names, grads, strict=True):
+            rows[n].append(g)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+@pytest.mark.parametrize(
+    "returns", [("e", "scaled"), ("e", "p", "scaled"), ("e", "p", "h", "scaled")]
+)
+def test_intermediate_outputs_are_not_counted_twice(returns: tuple[str, ...]) -> None:
+    torch.manual_seed(0)
+    model = Chained(returns).double()
+    x, target = torch.randn(3, 4, dtype=D), torch.randn(3, 3, dtype=D)
+    want = _oracle(model, x, target)
+    untracked = torch.autograd.grad(_losses(model(x), target).sum(), list(model.parameters()))
+    with track(model, "batch_grad", "variance", loss_reduction="sum") as stats:
+        _losses(model(x), target).sum().backward()
+    for (name, g), grad in zip(want.items(), untracked, strict=True):
+        torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(stats[name].variance, g.var(0, unbiased=False))
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=0, atol=0)
+
+
+def test_clip_both_towers_with_a_per_example_loss() -> None:
+    transformers = pytest.importorskip("transformers")
+    n, length = 3, 6
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 40, (n, length), generator=g)
+    ids[:, -1] = 2
+    pixels = torch.randn(n, 3, 16, 16, dtype=D, generator=g)
+    text = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16, attention_dropout=0.0,
+                dropout=0.0, eos_token_id=2, bos_token_id=1, pad_token_id=0)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=16, patch_size=4, attention_dropout=0.0,
+                  dropout=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+    model = transformers.CLIPModel(config).double()
+
+    def losses(ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, pixel_values=pixels)
+        return -F.cosine_similarity(out.image_embeds, out.text_embeds, dim=1)
+
+    names = [k for k, _ in model.named_parameters()]
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    for i in range(n):
+        grads = torch.autograd.grad(
+            losses(ids[i : i + 1], pixels[i : i + 1]).sum(),
+            list(model.parameters()),
+            allow_unused=True,
+        )
+        for k, p, grad in zip(names, model.parameters(), grads, strict=True):
+            rows[k].append(torch.zeros_like(p) if grad is None else grad)
+    with track(model, "batch_grad") as stats:
+        losses(ids, pixels).mean().backward()
+    for k in ("text_model.encoder.layers.0.mlp.fc1.weight", "visual_projection.weight"):
+        torch.testing.assert_close(stats[k].batch_grad, torch.stack(rows[k]), rtol=1e-9, atol=0)
