@@ -83,6 +83,12 @@ class EdgeMean:
         edges, leaves = param_edges([t.grad_fn for t in outputs], stops, params)
         return cls(edges, leaves)
 
+    def casts(self) -> bool:
+        """Whether an edge into a parameter is a cast (``weight.float()``, ``weight.to(x)``):
+        autograd's sum there is computed in the cast's dtype and device."""
+        return any(type(node).__name__ == "ToCopyBackward0" for es in self.edges.values()
+                   for node, _ in es)  # fmt: skip
+
     def by_node(self) -> dict[Node, list[tuple[int, int]]]:
         """``node -> [(k, id(parameter))]``: where to hook, and which inputs to read."""
         out: dict[Node, list[tuple[int, int]]] = {}

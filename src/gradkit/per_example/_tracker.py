@@ -522,6 +522,12 @@ class Tracker(TrackerResults):
             low = _low_precision(live)
             at_edges = self._want.mean and not low
             mean = EdgeMean.find(params, (args, kwargs), live) if at_edges else EdgeMean()
+            if at_edges and mean.casts():
+                # a parameter cast inside the module (Gemma's RMSNorm computes in float32 in a
+                # float64 model: weight.float()): the edge sum has the cast's precision, the
+                # second moment the per-example products' (variance entries 1.9x off, some
+                # clamped to 0). The rule's per-example gradients give the sum instead.
+                mean = EdgeMean()
             hooked, base = hook_target(output) if isinstance(output, torch.Tensor) else (None, None)
             record = UseRecord(
                 call,
