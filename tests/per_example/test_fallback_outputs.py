@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradkit import GradkitError
 from gradkit.per_example import track
 
 D = torch.float64
@@ -109,3 +110,76 @@ def test_clip_both_towers_with_a_per_example_loss() -> None:
         losses(ids, pixels).mean().backward()
     for k in ("text_model.encoder.layers.0.mlp.fc1.weight", "visual_projection.weight"):
         torch.testing.assert_close(stats[k].batch_grad, torch.stack(rows[k]), rtol=1e-9, atol=0)
+
+
+class Pairwise(nn.Module):
+    """A parameter of its own and an output pairing examples: ``[N, N]`` similarities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.a(x) @ self.b(x).T
+
+
+def test_an_output_pairing_examples_is_refused_naming_the_fix() -> None:
+    """The per-example loss on the diagonal of [N, N] similarities raised torch's bare
+    "Mismatch in shape" from inside the fallback's re-run (CLIPModel's logits_per_image)."""
+    torch.manual_seed(0)
+    model = Pairwise().double()
+    with pytest.raises(GradkitError) as raised, track(model, "variance"):
+        model(torch.randn(3, 4, dtype=D)).diagonal().sum().backward()
+    text = str(raised.value)
+    for words in ("vmap fallback on Pairwise", "(1, 3) per example", "(1, 1) from one example",
+                  "freeze Pairwise's own parameters (scale)"):  # fmt: skip
+        assert words in text, text
+    model.scale.requires_grad_(False)  # the layers inside, by their rules: exact
+    x = torch.randn(3, 4, dtype=D)
+    rows = [
+        torch.autograd.grad(model(x)[i, i], [model.a.weight])[0] for i in range(3)
+    ]  # example i's loss reads only example i
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        model(x).diagonal().sum().backward()
+    torch.testing.assert_close(stats["a.weight"].batch_grad, torch.stack(rows))
+
+
+class TwoOutputs(nn.Module):
+    """The fallback's module (a parameter of its own), returning its loss or two outputs."""
+
+    def __init__(self, with_loss: bool) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(2.0))
+        self.lin = nn.Linear(3, 2)
+        self.with_loss = with_loss
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.s * self.lin(x)
+        return (z.pow(2).sum(), z) if self.with_loss else (z, torch.tanh(z))
+
+
+def test_a_loss_the_module_returns_is_refused_at_its_own_backward() -> None:
+    """``out.loss.backward()`` from a loss the fallback's module computed: the backward's root
+    is that output, which torch's all-gradients hook never counted, so nothing was recorded
+    and reading said no backward pass had reached the model. Refused now, saying why."""
+    torch.manual_seed(0)
+    model = TwoOutputs(with_loss=True).double()
+    with pytest.raises(GradkitError) as raised, track(model, "variance"):
+        model(torch.randn(4, 3, dtype=D))[0].backward()
+    text = str(raised.value)
+    assert "output 0 of TwoOutputs" in text and "compute the loss outside the module" in text
+
+
+def test_a_backward_from_an_output_itself_is_tracked() -> None:
+    """``out[0].backward(gradient)``: the root is one of the module's outputs."""
+    torch.manual_seed(0)
+    model = TwoOutputs(with_loss=False).double()
+    x, w = torch.randn(4, 3, dtype=D), torch.randn(4, 2, dtype=D)
+    rows = [
+        torch.autograd.grad(model(x[i : i + 1])[0], [model.lin.weight], w[i : i + 1])[0]
+        for i in range(4)
+    ]
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        model(x)[0].backward(w)
+    torch.testing.assert_close(stats["lin.weight"].batch_grad, torch.stack(rows))

@@ -7,8 +7,10 @@ call until its backward is over (the tracker's hooks fill and read it, see :mod:
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_pass",
     "check_still_trainable",
     "hidden_view_error",
+    "hook_all",
     "hook_target",
     "in_backward",
     "model_call",
@@ -175,6 +178,43 @@ def _differentiates(acc: Node) -> bool:
         return will_execute(acc)
     except RuntimeError:
         return True
+
+
+def hook_all(tensors: Sequence[torch.Tensor], fn: Callable[[list[Any]], None]) -> None:
+    """Call ``fn`` with the gradients w.r.t. ``tensors`` (None for those this backward pass
+    does not reach) once all that it reaches have arrived: a module call's several outputs.
+
+    ``register_multi_grad_hook(mode="all")`` counts the tensors whose node the engine will
+    execute, asked at the first arrival; the node of the pass's root (a loss the module
+    returns, ``out.loss.backward()``) is not one it will execute then, so the count was one
+    short and the hook never ran: the call's statistics were left out, and reading them said
+    no backward pass had reached the model. The tensor that arrives is counted here too."""
+    node_of = getattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc", lambda t: t.grad_fn)
+    nodes = [node_of(t) for t in tensors]  # a leaf's: its accumulator
+    waiting: dict[int, tuple[set[int], list[Any]]] = {}  # graph task -> (to come, arrived)
+    lock = threading.Lock()  # a GPU backward runs hooks on its device threads
+
+    def arrive(index: int, grad: torch.Tensor) -> None:
+        task = int(torch._C._current_graph_task_id())
+        with lock:
+            entry = waiting.get(task)
+            if entry is None:
+                expected = {
+                    i
+                    for i, node in enumerate(nodes)
+                    if i == index or (node is not None and _differentiates(node))
+                }
+                entry = waiting[task] = (expected, [None] * len(nodes))
+            entry[0].discard(index)
+            entry[1][index] = grad
+            done = not entry[0]
+            if done:
+                del waiting[task]
+        if done:
+            fn(entry[1])
+
+    for i, t in enumerate(tensors):
+        t.register_hook(functools.partial(arrive, i))
 
 
 def hook_target(output: torch.Tensor) -> tuple[torch.Tensor, Node | None]:

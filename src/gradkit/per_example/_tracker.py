@@ -94,6 +94,7 @@ from gradkit.per_example._capture import (
     check_pass,
     check_still_trainable,
     hidden_view_error,
+    hook_all,
     hook_target,
     in_backward,
     model_call,
@@ -457,7 +458,10 @@ class Tracker(TrackerResults):
                 + ". A model that does not broadcast such an output over its examples as they "
                 "are (e.g. it adds it to [examples * windows, ...] rows) cannot be split by "
                 "example there: freeze its parameters (requires_grad_(False)) or give its "
-                "inputs the batch dimension"
+                "inputs the batch dimension; where the module holds the examples in another "
+                "dimension than batch_dim (a sequence-first block, whose dimension 0 can have 1 "
+                "entry: Longformer's global tokens), pass batch_dim={its name or its block's: "
+                "that dimension}"
             )
 
     def _forward_hook(self, st: ModuleState) -> Any:
@@ -554,7 +558,7 @@ class Tracker(TrackerResults):
                     by_id = dict(zip(ids, grads, strict=True))
                     self._on_output_grad(st, record, [by_id.get(id(t)) for t in leaves])
 
-                torch.autograd.graph.register_multi_grad_hook(live, on_grads, mode="all")
+                hook_all(live, on_grads)
             for node, ks in mean.by_node().items():  # read the mean there
                 node.register_hook(self._edge_hook(record, ks))
             if not builtin(st.rule) and not low:

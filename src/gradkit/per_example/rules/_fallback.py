@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradkit._errors import GradkitError
+from gradkit._errors import GradkitError, message
 from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use
@@ -106,10 +106,22 @@ def _per_example_vjp(
     keep = [k for k, g in enumerate(grads) if g is not None]
     for k in keep:
         if dims.outputs[k] is None:
+            kind = type(module).__name__
+            own = [n for n in names if "." not in n] or names
             raise GradkitError(
-                f"per_example.track: output {k} of {type(module).__name__} "
-                f"{tuple(grads[k].shape)} has no batch dimension, so its gradient cannot be "
-                "split by example"
+                message(
+                    f"per_example.track: the vmap fallback on {kind} (it re-runs the module "
+                    "example by example)",
+                    f"output {k} of {kind}",
+                    "outputs with a batch dimension, whose gradient can be split by example",
+                    f"shape {tuple(grads[k].shape)}, no batch dimension: a quantity of the "
+                    "whole batch (a loss computed inside the model, CLIPModel(return_loss=True))",
+                    "compute the loss outside the module from outputs of one example each, or "
+                    f"freeze {kind}'s own parameters ({', '.join(own[:3])}"
+                    f"{', ...' if len(own) > 3 else ''}) so that the layers inside it are split "
+                    "by their rules (a loss mixing examples then gives each example's share "
+                    "through its own activations)",
+                )
             )
     out_dims = [dims.outputs[k] for k in keep]
     n = grads[keep[0]].shape[out_dims[0]]
@@ -136,6 +148,9 @@ def _per_example_vjp(
             g if dims.added[k] else g.unsqueeze(d)  # type: ignore[arg-type]
             for k, d, g in zip(keep, out_dims, cotangents, strict=True)
         )
+        for k, o, c in zip(keep, outs, cot, strict=True):
+            if o.shape != c.shape:
+                raise _pairs_examples(module, names, k, o.shape, c.shape)
         return tuple(vjp_fn(cot)), tuple(o.detach() for o in outs)
 
     def checked(grads_outs: tuple[_Grads, _Grads]) -> _Grads:
@@ -176,6 +191,31 @@ def _per_example_vjp(
     found = tuple(torch.stack(parts) for parts in zip(*(r[0] for r in rows), strict=True))
     outs = tuple(torch.stack(parts) for parts in zip(*(r[1] for r in rows), strict=True))
     return checked((found, outs))
+
+
+def _pairs_examples(
+    module: nn.Module, names: list[str], k: int, one: torch.Size, row: torch.Size
+) -> GradkitError:
+    """The error for an output whose row for one example is not what the module gives that
+    example alone (CLIP's ``logits_per_image``, ``[N, N]``: one example's row holds its
+    similarity to every other)."""
+    kind = type(module).__name__
+    own = [n for n in names if "." not in n] or names  # its own, not its children's
+    return GradkitError(
+        message(
+            f"per_example.track: the vmap fallback on {kind} (it re-runs the module example by "
+            "example)",
+            f"output {k} of {kind}",
+            "outputs whose row for an example is that example's own output",
+            f"{tuple(row)} per example in the gradient, {tuple(one)} from one example alone: "
+            "the output pairs examples with each other (a contrastive model's [N, N] "
+            "similarities)",
+            "compute the loss from outputs of one example each (CLIPModel's image_embeds and "
+            f"text_embeds), or freeze {kind}'s own parameters ({', '.join(own[:3])}"
+            f"{', ...' if len(own) > 3 else ''}) so that the layers inside it are split by "
+            "their rules",
+        )
+    )
 
 
 def _packed(
