@@ -411,6 +411,31 @@ def test_layers_on_merged_rows_are_split_by_example() -> None:
     compare(tracked(case, model, (x, y), [2, 1], "sum"), ref, rtol=1e-10, atol=1e-12)
 
 
+class GatedRows(nn.Module):
+    """A gated MLP on the positions merged into rows (Qwen2-MoE's shared expert): the last
+    layer's input is a product of two layers' outputs on those rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.norm(x).reshape(-1, 8)
+        h = torch.nn.functional.silu(self.gate(z)) * self.up(z) + self.up(z)
+        return self.down(h).view(x.shape[0], x.shape[1], 2)
+
+
+def test_a_product_of_merged_rows_is_split_by_example() -> None:
+    """The product was not followed (a two-input node): the model was refused, pointing to
+    batch_dim, which could not help."""
+    model = GatedRows().double()
+    x, y = torch.randn(3, 5, 8, dtype=D), torch.randn(3, 5, 2, dtype=D)
+    case = Case("gated", GatedRows, lambda n: (x, y), lambda m, b, r: sq(m(b[0][r]), b[1][r]))
+    ref = loop_oracle(case, model, (x, y), 3)
+    compare(tracked(case, model, (x, y), [2, 1], "sum"), ref, rtol=1e-10, atol=1e-12)
+
+
 def test_rows_that_cannot_be_split_by_example_raise() -> None:
     model = Flattening(time_major=True).double()
     x = torch.randn(3, 5, 8, dtype=D)

@@ -22,8 +22,9 @@ trusted for that call and no call is reshaped. Given where the examples are in e
 * **merged**: a layer that accepts any leading dimensions (Linear, ``Conv1D``, LayerNorm,
   RMSNorm) called on the examples' positions merged into rows, ``[N * T, d]`` (OPT's MLP
   flattens its input), where the rows provably come from an ``[N, T, ...]`` tensor: its input
-  is a reshape of one whose first dimension is ``N``, or follows from such a layer's output
-  through single-input operations (an activation). Rules see ``[N, T, d]``;
+  is a reshape of one whose first dimension is ``N``, or follows from such layers' outputs
+  through single-input operations (an activation) and elementwise products and sums of them
+  (a gated MLP). Rules see ``[N, T, d]``;
 * **mismatch**: anything else whose batch size is not ``N`` (a layer on ``[T * N, d]``, T5's
   relative position table ``[T, T]``): per-example gradients cannot be split from its output,
   and a gradient reaching it raises.
@@ -240,10 +241,17 @@ def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
                 stack.append(nxt)
 
 
+_ELEMENTWISE = ("MulBackward0", "AddBackward0", "SubBackward0", "DivBackward0")
+
+
 def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:
     """Positions per example of the rows of the tensor ``node`` produced, if they provably are
-    ``[N, T, ...]`` merged into ``[N * T, ...]`` (see the module docstring), else None."""
-    for _ in range(depth):
+    ``[N, T, ...]`` merged into ``[N * T, ...]`` (see the module docstring), else None.
+
+    Followed through single-input operations (activations, casts) and through an elementwise
+    product or sum of tensors that all are such rows, with as many positions (a gated MLP's
+    ``act(gate(z)) * up(z)`` on flattened rows, Qwen2-MoE's shared expert)."""
+    while depth > 0:
         if node is None:
             return None
         if node in model.merged:
@@ -254,9 +262,14 @@ def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:
                 return int(torch.Size(sizes[1:-1]).numel())
             return None
         inputs = [nxt for nxt, _ in node.next_functions if nxt is not None]
-        if len(inputs) != 1:  # only through single-input operations (activations, casts)
+        if len(inputs) > 1 and type(node).__name__ in _ELEMENTWISE and depth > 1:
+            # every input merged alike (a parameter or a broadcast tensor is not: None)
+            found = {merged_positions(nxt, model, depth - 1) for nxt in inputs}
+            return found.pop() if len(found) == 1 else None
+        if len(inputs) != 1:
             return None
         node = inputs[0]
+        depth -= 1
     return None
 
 
