@@ -446,6 +446,27 @@ def test_rows_that_cannot_be_split_by_example_raise() -> None:
         model(x).pow(2).sum((1, 2)).mean().backward()
 
 
+def test_a_refusal_of_many_layers_names_the_rest_briefly() -> None:
+    """Every layer's problem in full made a 16 kB message on MobileViT (examples times patches
+    in 60 layers): the first three are stated, the others named."""
+
+    class TimeMajorRows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x.transpose(0, 1).reshape(-1, 4))
+
+    model = TimeMajorRows().double()
+    with pytest.raises(GradkitError) as err, track(model, "variance"):
+        model(torch.randn(3, 5, 4, dtype=D)).pow(2).sum().backward()
+    text = str(err.value)
+    assert text.count("returned outputs of shapes") == 3, text
+    assert "and 5 more layers alike: layers.3 (Linear), layers.4 (Linear)" in text, text
+    assert len(text) < 1500, text
+
+
 class NotBroadcast(nn.Module):
     """A position table whose output is permuted before it is added (T5's relative bias)."""
 

@@ -521,18 +521,29 @@ def split_call(
     )
 
 
+_SHOWN = 3
+"""Layers whose problem a refusal states in full; the others are named only (a model of many
+such layers, MobileViT's, gave a message of 16 kB)."""
+
+
 def mismatch_error(problems: list[str]) -> GradkitError:
     """The error for calls that cannot be split by example (``"name (Class) problem"`` each)."""
+    shown = "; ".join(problems[:_SHOWN])
+    if len(problems) > _SHOWN:
+        rest = [p.split(") ", 1)[0] + ")" for p in problems[_SHOWN:]]
+        names = ", ".join(rest[:12]) + (f" and {len(rest) - 12} more" if len(rest) > 12 else "")
+        shown += f"; and {len(rest)} more layers alike: {names}"
     return GradkitError(
         message(
             "per_example.track(model, ...)",
             "batch_dim",
             "every tracked layer's outputs to hold the model's examples along their batch "
             "dimension",
-            "; ".join(problems),
-            "pass batch_dim=... where the examples are (an int, or per submodule: "
-            "batch_dim={'': 1, 'head': 0}); a layer that mixes examples or sees them reshaped "
-            "untraceably ([T, N, d] flattened to [T * N, d]) cannot be split: freeze its "
+            shown,
+            "where a layer holds the examples in another dimension only, pass batch_dim=... "
+            "there (an int, or per submodule: batch_dim={'': 1, 'head': 0}); a layer that mixes "
+            "examples or sees them merged with other rows untraceably (examples times windows, "
+            "patches or heads; [T, N, d] flattened to [T * N, d]) cannot be split: freeze its "
             "parameters (requires_grad_(False)) or register a rule for it",
         )
     )
