@@ -201,8 +201,7 @@ class ConvWeightGrad(PerExampleGrad):
         spatial = module.weight.dim() - 2
         self._wgrad = _WEIGHT_GRAD[spatial]
         self._pads = _pads(module, spatial)
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        self._padded = [F.pad(x, self._pads, mode=mode) if any(self._pads) else x for x, _ in uses]
+        self._padded_inputs: list[torch.Tensor] | None = None  # see _padded
 
     def _block(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
         method, trial = _choose(self, start, stop)
@@ -213,6 +212,18 @@ class ConvWeightGrad(PerExampleGrad):
         block = run(start, stop, scale)
         trial.record(method, time.perf_counter() - begin)
         return block
+
+    def _padded(self) -> list[torch.Tensor]:
+        """The inputs padded as the convolution pads them, for the grouped method (made on its
+        first block: a copy of the inputs the unfolded patches do not need)."""
+        if self._padded_inputs is None:
+            m = self.module
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            pads = self._pads
+            self._padded_inputs = [
+                F.pad(x, pads, mode=mode) if any(pads) else x for x, _ in self.uses
+            ]
+        return self._padded_inputs
 
     def _unfolded(self, start: int, stop: int, scale: float = 1.0) -> torch.Tensor:
         """``sum_t G[n, t]^T A[n, t]`` per group by a batched product over unfolded patches
@@ -233,7 +244,7 @@ class ConvWeightGrad(PerExampleGrad):
         """The same by one weight-gradient convolution with the examples as groups."""
         m, n = self.module, stop - start
         total: torch.Tensor | None = None
-        for x, (_, g) in zip(self._padded, self.uses, strict=True):
+        for x, (_, g) in zip(self._padded(), self.uses, strict=True):
             xs, gs = x[start:stop], _scaled(g[start:stop], scale)
             w = self._wgrad(
                 xs.reshape(1, -1, *xs.shape[2:]),
