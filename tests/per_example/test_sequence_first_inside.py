@@ -170,3 +170,37 @@ def test_longformer_with_as_many_positions_as_examples() -> None:
         loss(logits(ids[i : i + 1], slice(i, i + 1)), y[i : i + 1]).backward()
         rows.append(model.get_parameter(key).grad.clone())
     torch.testing.assert_close(stats[key].batch_grad, torch.stack(rows), rtol=1e-10, atol=1e-12)
+
+
+class PreNormHead(nn.Module):
+    """A sequence-first pre-norm encoder layer (its output is a residual sum) and a head."""
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=norm_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, E]
+        return self.head(self.enc(x))
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_a_head_on_a_sequence_first_encoder_with_as_many_positions(norm_first: bool) -> None:
+    """The head reads [T, N, E] as [N, T, E] by default. Post-norm, the encoder's output is its
+    last LayerNorm's (refused since the graph is followed); pre-norm, it is a residual sum, which
+    the walk did not pass: the head's statistics were silently those of positions."""
+    torch.manual_seed(0)
+    model = PreNormHead(norm_first).double()
+    x, y = torch.randn(5, 5, 8, dtype=D), torch.randn(5, 5, 3, dtype=D)  # y: [N, T, 3]
+
+    def losses(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out.transpose(0, 1) * target).sum((1, 2))
+
+    refused = "head \\(Linear\\) reads its examples"
+    with pytest.raises(gradkit.GradkitError, match=refused), track(model, "variance"):
+        losses(model(x), y).mean().backward()
+    want = per_example_grads(model, lambda o, t: losses(o, t).sum(), x, y, batch_dim=1)
+    with track(model, "variance", "batch_grad", batch_dim=1) as stats:
+        losses(model(x), y).mean().backward()
+    for name, g in want.items():
+        torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)

@@ -296,38 +296,53 @@ def moved_batch(t: torch.Tensor, d: int, n: int, model: ModelCall | None) -> tup
     Longformer's ``hidden_states.transpose(0, 1)`` (``[T, N, d]``, sequence-first inside its
     attention) or a sequence-first GRU's output from ``[N, T, d]`` when ``T == N``, and the rule
     would then split the positions as examples. The graph can: from ``t``, through transposes,
-    permutes and shape-keeping single-input operations, down to the output of a batched tracked
-    call of this model call (whose examples' dimension is known), the dimensions' order followed
-    exactly; or, for a tensor without a graph, by the strides of a view of the model's input."""
+    permutes, shape-keeping single-input operations and elementwise sums and products (a
+    pre-norm block's residual additions), down to the outputs of batched tracked calls of this
+    model call (whose examples' dimension is known), the dimensions' order followed exactly; or,
+    for a tensor without a graph, by the strides of a view of the model's input."""
     if model is None or sum(1 for size in t.shape if size == n) < 2:
         return None  # the sizes say it
     if t.grad_fn is None:
         return _moved_view(t, d, n, model)
-    rank = t.dim()
-    where = list(range(rank))  # t's dimension i is dimension where[i] of the node's output
-    node: Any = t.grad_fn  # reads the saved dimensions of transposes and permutes
-    through: list[str] = []
-    for _ in range(16):
+    found = _trace(t.grad_fn, list(range(t.dim())), model, [32], ())
+    return found if found is not None and found[0] != d else None
+
+
+def _trace(
+    node: Any, where: list[int], model: ModelCall, budget: list[int], through: tuple[str, ...]
+) -> tuple[int, str] | None:
+    """:func:`moved_batch`'s walk from ``node``, where dimension ``i`` of the layer's input is
+    dimension ``where[i]`` of ``node``'s output: that input's dimension holding the examples,
+    and where it was found (None: unknown). ``budget``: nodes left to visit, shared."""
+    rank = len(where)
+    while budget[0] > 0:
+        budget[0] -= 1
         if node in model.dims:
             batch, label = model.dims[node]
             found = [i for i in range(rank) if where[i] == batch]
-            if not found or found[0] == d:
-                return None
             via = f" through {', '.join(dict.fromkeys(through))}" if through else ""
-            return found[0], f"the output of {label}{via}"
+            return (found[0], f"the output of {label}{via}") if found else None
         name = type(node).__name__
         if name == "TransposeBackward0":  # y = x.transpose(a, b): y's dim k is x's swapped
             a, b = (_signed(v) % rank for v in (node._saved_dim0, node._saved_dim1))
             where = [b if k == a else a if k == b else k for k in where]
+            through = (*through, "a transpose")
         elif name == "TBackward0":
             where = [1 - k for k in where]
+            through = (*through, "a transpose")
         elif name == "PermuteBackward0":  # y = x.permute(p): y's dim k is x's dim p[k]
             order = [_signed(v) % rank for v in node._saved_dims]
             where = [order[k] for k in where]
+            through = (*through, "a permute")
+        elif name in _ELEMENTWISE:  # every input that leads to a known output must agree
+            results = [
+                r
+                for nxt, _ in node.next_functions
+                if nxt is not None and (r := _trace(nxt, where, model, budget, through))
+            ]
+            return results[0] if results and len({r[0] for r in results}) == 1 else None
         elif name not in _SAME_SHAPE:
             return None
-        if name in ("TransposeBackward0", "TBackward0", "PermuteBackward0"):
-            through.append("a transpose" if name != "PermuteBackward0" else "a permute")
         inputs = [nxt for nxt, _ in node.next_functions if nxt is not None]
         if len(inputs) != 1:
             return None
@@ -527,7 +542,9 @@ such layers, MobileViT's, gave a message of 16 kB)."""
 
 
 def mismatch_error(problems: list[str]) -> GradkitError:
-    """The error for calls that cannot be split by example (``"name (Class) problem"`` each)."""
+    """The error for calls that cannot be split by example (``"name (Class) problem"`` each;
+    a module called several times alike is stated once)."""
+    problems = list(dict.fromkeys(problems))
     shown = "; ".join(problems[:_SHOWN])
     if len(problems) > _SHOWN:
         rest = [p.split(") ", 1)[0] + ")" for p in problems[_SHOWN:]]
