@@ -852,6 +852,37 @@ def test_layers_under_bf16_autocast(monkeypatch, layers) -> None:
             assert_close(st[k].variance.double(), want, rtol=1e-4, atol=1e-5 * scale)
 
 
+class TiedHead(nn.Module):
+    """An embedding tied to the output layer, as GPT-2's ``wte`` and ``lm_head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def test_a_weight_tied_across_a_float32_and_a_bf16_use() -> None:
+    """Under autocast the embedding runs in float32 (its mean read at its edges) and the tied
+    head in bf16 (its mean from the per-example gradients): summing the combined per-example
+    gradients added the embedding's share a second time (the mean 0.67 off; HF Trainer's
+    bf16=True on GPT-2: the noise scale 38 % off)."""
+    torch.manual_seed(0)
+    model = TiedHead()
+    ids = torch.randint(0, 20, (6, 5), generator=torch.Generator().manual_seed(1))
+    with track(model, "mean", "variance", "batch_grad", loss_reduction="sum") as st:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        loss = torch.nn.functional.cross_entropy
+        loss(logits.float().flatten(0, 1), ids.flatten(), reduction="sum").backward()
+    g = st["emb.weight"].batch_grad.double()
+    grad = model.emb.weight.grad.double()
+    assert_close(g.sum(0), grad, rtol=1e-2, atol=1e-2 * grad.abs().max())  # bf16 products
+    assert_close(st["emb.weight"].mean.double(), g.mean(0), rtol=1e-5, atol=1e-6 * g.abs().max())
+
+
 class TakesRow(nn.Module):
     """Positions looked up with [1, T] ids, then taken along the batch dimension."""
 

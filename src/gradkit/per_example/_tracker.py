@@ -936,6 +936,14 @@ class Tracker(TrackerResults):
         for pid, parts in deferred.items():
             pe = parts[0][0] if len(parts) == 1 else combine([p for p, _, _ in parts])
             given = all(g for _, g, _ in parts)
+            if not given and any(g for _, g, _ in parts):
+                # a weight tied across modules whose uses differ (an embedding read at its
+                # edges, its tied head under autocast not): the sum of the combined gradients
+                # would count the first again (0.67 off); only the others' sums are added
+                for part, part_given, scale in parts:
+                    if not part_given:
+                        self._accs[pid].add_sum(1, _summed(part), alpha=scale)
+                given = True
             self._add(pid, pe, given, parts[0][2])
         n = next(iter(sizes.values()), 0)
         left_out = self._left_out
