@@ -878,7 +878,7 @@ def test_autograd_grad_wrt_every_parameter_counts():
 # -- a loss scaled on top of its reduction -------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["grad_scaler", "divided"])
+@pytest.mark.parametrize("how", ["grad_scaler", "grad_scaler_3.7", "divided"])
 def test_loss_scale_divides_out_a_scaled_loss(how):
     """GradScaler.scale(loss).backward() and (loss / k).backward() backpropagate a multiple of
     the loss: declared as loss_scale, the statistics are those of the loss itself (undeclared,
@@ -886,9 +886,13 @@ def test_loss_scale_divides_out_a_scaled_loss(how):
     model, x = _two_layers()
     y = torch.randn(5, 2, dtype=D)
     loss_of = lambda: F.mse_loss(model(x), y)
-    if how == "grad_scaler":
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        scaled, declared, factor = (lambda: scaler.scale(loss_of())), scaler, 2.0**10
+    if how.startswith("grad_scaler"):
+        # a scale that is no power of two: the scaler multiplies by its float32 value, while
+        # get_scale() before the first scale() gives the number it was built with (1.3e-8 off)
+        init = 3.7 if how.endswith("3.7") else 2.0**10
+        scaler = torch.amp.GradScaler("cpu", init_scale=init)
+        factor = float(torch.tensor(init, dtype=torch.float32))
+        scaled, declared = (lambda: scaler.scale(loss_of())), scaler
     else:
         scaled, declared, factor = (lambda: loss_of() / 4), 0.25, 0.25
     ref = per_example_grads(model, lambda o, t: F.mse_loss(o, t), x, y)

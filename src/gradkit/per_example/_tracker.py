@@ -133,11 +133,16 @@ def _parse_loss_scale(value: Any, call: str) -> float:
     if value is None:
         return 1.0
     get_scale = getattr(value, "get_scale", None)
-    if callable(get_scale):
+    scaler = callable(get_scale)
+    if scaler:
         value = get_scale()
-    return check_number(
+    value = check_number(
         value, call, "loss_scale", low=0, low_open=True, example="scaler (a GradScaler) or 1/8"
     )
+    # a GradScaler multiplies the loss by its float32 scale tensor; before its first scale()
+    # get_scale() gives the init_scale as given (3.7, not float32's 3.700000047...: the
+    # statistics of a float64 model 1.3e-8 off)
+    return float(torch.tensor(value, dtype=torch.float32)) if scaler else value
 
 
 def _named_parameters(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Parameter]]:
