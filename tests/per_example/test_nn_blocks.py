@@ -1015,6 +1015,22 @@ def test_reparametrized_layers_are_exact(layer):
     compare(stats, ref, rtol=1e-10, atol=1e-12)
 
 
+def test_a_parametrized_layer_inside_parametrize_cached_is_refused():
+    """``parametrize.cached()`` computes the weight once for every call in its block: the
+    fallback's re-run of one example did not recompute it (per-example gradients of 0) and two
+    calls shared its graph (each read the other's gradient: the mean 2x), silently. Refused at
+    the call; outside ``cached()`` the same layer is exact (test above)."""
+    from torch.nn.utils import parametrize
+
+    layer = nn.Linear(4, 4).double()
+    nn.utils.parametrizations.orthogonal(layer)
+    with track(layer, "variance"), parametrize.cached(), pytest.raises(GradkitError) as err:
+        layer(torch.randn(5, 4, dtype=D))
+    text = str(err.value)
+    assert "parametrize.cached()" in text and "model (ParametrizedLinear)" in text, text
+    assert layer.parametrizations.weight.original.grad is None
+
+
 def test_the_parametrization_check_agrees_with_torch():
     """The tracker reads a module's parametrizations where torch puts them (a cheaper lookup
     than ``is_parametrized``'s): the same answer on and after parametrizing, after removing

@@ -28,7 +28,13 @@ from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
 from gradkit.per_example._layout import backward_roots, check_loss_reduction
 from gradkit.per_example._outside import check_outside_uses, checked_module
-from gradkit.per_example._registry import Use, find_rule, power_iteration, reparametrized
+from gradkit.per_example._registry import (
+    Use,
+    _parametrized,
+    find_rule,
+    power_iteration,
+    reparametrized,
+)
 from gradkit.per_example.rules import vmap_rule
 from gradkit.per_example.rules._thirdparty import unsplittable
 
@@ -43,6 +49,7 @@ __all__ = [
     "in_backward",
     "model_call",
     "refuse_batchnorm",
+    "refuse_cached_parametrization",
     "rule_view",
     "tracked_modules",
 ]
@@ -98,6 +105,7 @@ class ModuleState:
     fusion: str | None = None  # how its weight gradient may be summed (see _fused)
     shared: bool = False  # a parameter of it is also another tracked module's
     checked: tuple[int, ...] = ()  # ids of its parameters whose uses outside it are refused
+    parametrized: bool = False  # torch.nn.utils.parametrize computes its weight at each call
     forward_count: int = 0
     pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
@@ -254,6 +262,24 @@ def hidden_view_error(labels: list[str]) -> GradkitError:
     )
 
 
+def refuse_cached_parametrization(st: ModuleState) -> None:
+    """Refuse a call of a parametrized module inside ``torch.nn.utils.parametrize.cached()``:
+    its weight is computed once for every call in the block, so the fallback's re-run of one
+    example does not recompute it from the parameter (per-example gradients of 0), and the calls
+    share the graph into the parameter (each read the others' gradient: the mean 2x)."""
+    if torch.nn.utils.parametrize._cache_enabled:
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                st.label,
+                "a parametrized weight computed at each call",
+                "a call inside torch.nn.utils.parametrize.cached(), which computes it once for "
+                "every call in that block",
+                "run the tracked forward outside parametrize.cached()",
+            )
+        )
+
+
 def check_still_trainable(st: ModuleState) -> None:
     """Refuse a call of a module whose parameter was frozen after ``track()`` (its
     statistics would silently stop)."""
@@ -350,6 +376,7 @@ def tracked_modules(
         if "weight" not in own or own["weight"] is not getattr(module, "weight", None):
             fusion = None  # a frozen or parametrized weight: autograd's own product
         states.append(ModuleState(name, module, rule, own, pids, dims[name], fusion))
+        states[-1].parametrized = _parametrized(module)
         for pid in pids.values():
             owners[pid] = owners.get(pid, 0) + 1
     checkable = {id(st): checked_module(st.module) and st.rule is not vmap_rule for st in states}

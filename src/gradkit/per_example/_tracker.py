@@ -99,6 +99,7 @@ from gradkit.per_example._capture import (
     in_backward,
     model_call,
     refuse_batchnorm,
+    refuse_cached_parametrization,
     rule_view,
     tracked_modules,
 )
@@ -133,9 +134,9 @@ def _parse_loss_scale(value: Any, call: str) -> float:
     if value is None:
         return 1.0
     get_scale = getattr(value, "get_scale", None)
-    scaler = callable(get_scale)
-    if scaler:
-        value = get_scale()
+    scaler = False
+    if callable(get_scale):
+        value, scaler = get_scale(), True
     value = check_number(
         value, call, "loss_scale", low=0, low_open=True, example="scaler (a GradScaler) or 1/8"
     )
@@ -478,6 +479,8 @@ class Tracker(TrackerResults):
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
             check_still_trainable(st)
+            if st.parametrized:
+                refuse_cached_parametrization(st)
             layout = call_layout(module, args, kwargs, output, st.batch_dim)
             check_feature_dims(st.name, module, args, layout, st.batch_dim)
             if self._model_calls:
