@@ -183,3 +183,55 @@ def test_a_backward_from_an_output_itself_is_tracked() -> None:
     with track(model, "batch_grad", loss_reduction="sum") as stats:
         model(x)[0].backward(w)
     torch.testing.assert_close(stats["lin.weight"].batch_grad, torch.stack(rows))
+
+
+def test_running_statistics_updated_once_per_step() -> None:
+    """InstanceNorm(track_running_stats=True) in training mode goes through the fallback, whose
+    re-runs updated the running statistics again (once per example): after a tracked step they
+    were not an untracked step's (running_mean -0.231 for -0.050), silently."""
+    import copy
+
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Conv1d(2, 3, 2), nn.InstanceNorm1d(3, affine=True, track_running_stats=True)
+    ).double()
+    x, y = torch.randn(5, 2, 6, dtype=D), torch.randn(5, 3, 5, dtype=D)
+    plain, tracked = copy.deepcopy(base), copy.deepcopy(base)
+    (plain(x) * y).sum((1, 2)).mean().backward()
+    rows = []
+    for i in range(5):
+        one = copy.deepcopy(base)
+        (one(x[i : i + 1]) * y[i : i + 1]).sum().backward()
+        rows.append(one[1].weight.grad)
+    with track(tracked, "variance", "batch_grad") as stats:
+        (tracked(x) * y).sum((1, 2)).mean().backward()
+    torch.testing.assert_close(stats["1.weight"].batch_grad, torch.stack(rows))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(tracked[1], name), getattr(plain[1], name)), name
+
+
+class StateArgument(nn.Module):
+    """A parameter of its own (the fallback) and an LSTM state [layers, N, H] as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h0 = nn.Parameter(torch.zeros(2, 1, 4))
+        self.rnn = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+        h0 = self.h0.expand(-1, x.shape[0], -1).contiguous()
+        return self.rnn(x, (h0, c0))[0]
+
+
+def test_a_re_run_that_fails_is_refused_naming_the_module_and_fixes() -> None:
+    """Split along dimension 0, the state [layers, N, H] gave torch's "Expected hidden[1] size"
+    from inside the backward, naming neither the module nor what to do."""
+    torch.manual_seed(0)
+    model = StateArgument().double()
+    x, c0 = torch.randn(5, 4, 3, dtype=D), torch.zeros(2, 5, 4, dtype=D)
+    with pytest.raises(GradkitError) as raised, track(model, "variance"):
+        model(x, c0).sum().backward()
+    text = str(raised.value)
+    for words in ("a re-run of StateArgument on one example", "Expected hidden[1] size",
+                  "pass batch_dim={its name: d}", "register a rule"):  # fmt: skip
+        assert words in text, text

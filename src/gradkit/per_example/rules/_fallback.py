@@ -94,15 +94,18 @@ def _per_example_vjp(
     params: tuple[torch.Tensor, ...],
     use: Use,
     reruns: list[torch.Tensor] | None = None,
+    scratch: dict[str, torch.Tensor] | None = None,
 ) -> _Grads:
     """``[N, *p.shape]`` per parameter: the vjp of each example's forward with its gradient.
     With ``reruns`` and the batch's output in ``use.dims``, whether the re-runs reproduce it is
-    appended there (see :func:`_reruns_differ`)."""
+    appended there (see :func:`_reruns_differ`). ``scratch``: buffers the re-runs use instead
+    of the module's own (see :func:`_scratch_buffers`)."""
+    scratch = scratch or {}
     dims = use.dims or _batch_first_dims(use)
     grads = use.grad_output if use.dims is not None else tree_flatten(use.grad_output)[0]
     leaves, spec = tree_flatten((use.inputs, use.kwargs))
     if any(isinstance(v, PackedSequence) for v in (*use.inputs, *use.kwargs.values())):
-        return _packed(module, names, params, use, grads)
+        return _packed(module, names, params, use, grads, scratch)
     keep = [k for k, g in enumerate(grads) if g is not None]
     for k in keep:
         if dims.outputs[k] is None:
@@ -138,7 +141,7 @@ def _per_example_vjp(
 
         def forward(*ps: torch.Tensor) -> _Grads:
             out = torch.func.functional_call(
-                module, dict(zip(names, ps, strict=True)), args, kwargs
+                module, {**scratch, **dict(zip(names, ps, strict=True))}, args, kwargs
             )
             out_leaves = tree_flatten(out)[0]
             return tuple(out_leaves[k] for k in keep)
@@ -181,16 +184,38 @@ def _per_example_vjp(
         )
     else:  # checked outside the try: an error of the check is not a batching failure
         return checked(result)
-    rows = [
-        one(
-            [t.select(d, i) for t, d in zip(batched, in_dims, strict=True)],
-            [g.select(d, i) for g, d in zip(cotangents, out_dims, strict=True)],
-        )
-        for i in range(n)
-    ]
+    try:
+        rows = [
+            one(
+                [t.select(d, i) for t, d in zip(batched, in_dims, strict=True)],
+                [g.select(d, i) for g, d in zip(cotangents, out_dims, strict=True)],
+            )
+            for i in range(n)
+        ]
+    except RuntimeError as err:
+        kind = type(module).__name__
+        raise GradkitError(
+            message(
+                f"per_example.track: the vmap fallback on {kind} (it re-runs the module "
+                "example by example)",
+                f"a re-run of {kind} on one example",
+                "the module's forward on one example's slice of each argument",
+                f"torch raised {type(err).__name__}: {err}",
+                "where an argument holds its examples in another dimension than the one split "
+                f"({_dims_text(dims.inputs)}; an RNN state [layers, N, H], a sequence-first "
+                "tensor), pass batch_dim={its name: d}; where the forward updates a tensor in "
+                "place (a buffer), or mixes examples, register a rule "
+                "(@gradkit.per_example.register_rule) or freeze its parameters",
+            )
+        ) from err
     found = tuple(torch.stack(parts) for parts in zip(*(r[0] for r in rows), strict=True))
     outs = tuple(torch.stack(parts) for parts in zip(*(r[1] for r in rows), strict=True))
     return checked((found, outs))
+
+
+def _dims_text(dims: list[int | None]) -> str:
+    split = [f"argument {k}: {d}" for k, d in enumerate(dims) if d is not None]
+    return "split: " + ", ".join(split) if split else "none split"
 
 
 def _pairs_examples(
@@ -209,11 +234,13 @@ def _pairs_examples(
             "outputs whose row for an example is that example's own output",
             f"{tuple(row)} per example in the gradient, {tuple(one)} from one example alone: "
             "the output pairs examples with each other (a contrastive model's [N, N] "
-            "similarities)",
+            "similarities), or an argument was split along a dimension that does not hold its "
+            "examples",
             "compute the loss from outputs of one example each (CLIPModel's image_embeds and "
             f"text_embeds), or freeze {kind}'s own parameters ({', '.join(own[:3])}"
             f"{', ...' if len(own) > 3 else ''}) so that the layers inside it are split by "
-            "their rules",
+            "their rules; where an argument holds its examples in another dimension (a "
+            "sequence-first tensor), pass batch_dim={its name: d}",
         )
     )
 
@@ -224,6 +251,7 @@ def _packed(
     params: tuple[torch.Tensor, ...],
     use: Use,
     grads: list[torch.Tensor | None],
+    scratch: dict[str, torch.Tensor],
 ) -> _Grads:
     """An RNN on a ``PackedSequence``: each example re-run on its own sequence (and state)."""
     if not isinstance(module, nn.RNNBase):
@@ -252,7 +280,8 @@ def _packed(
 
         # plain autograd: torch's packed RNN kernels refuse torch.func's wrapped tensors
         ps = [p.detach().requires_grad_() for p in params]
-        out, h = torch.func.functional_call(module, dict(zip(names, ps, strict=True)), (xi, hi))
+        tensors = {**scratch, **dict(zip(names, ps, strict=True))}
+        out, h = torch.func.functional_call(module, tensors, (xi, hi))
         outs = (out.data, *tree_flatten(h)[0])
         cot = [torch.zeros_like(outs[0]) if g_seq is None else g_seq[i, :length]]
         for g, o in zip(h_grads, outs[1:], strict=True):
@@ -278,20 +307,56 @@ def _without_onednn() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(enabled)
 
 
+def _scratch_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the buffers a module in training mode may update as it runs (running
+    statistics: ``InstanceNorm(track_running_stats=True)``, an EMA), which the re-runs update
+    instead of the module's own: re-run example by example, the module updated them once more
+    per example, and its state after a tracked step was not an untracked step's. Boolean
+    buffers (masks) are not copied."""
+    return {
+        f"{prefix}.{name}" if prefix else name: b.detach().clone()
+        for prefix, sub in module.named_modules()
+        if sub.training
+        for name, b in sub._buffers.items()
+        if b is not None and b.dtype != torch.bool
+    }
+
+
+def _changed_buffers(module: nn.Module, versions: dict[str, int]) -> list[str]:
+    return [name for name, b in module.named_buffers() if b._version != versions.get(name)]
+
+
 def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str, PerExampleGrad]:
     """Per-example gradients of any example-independent module, by vmap (see module doc)."""
     names = list(ctx.params)
     params = tuple(ctx.params[k].detach() for k in names)
     totals: list[torch.Tensor] | None = None
+    scratch = _scratch_buffers(module)
+    versions = {name: b._version for name, b in module.named_buffers()}
     with torch.enable_grad(), _without_onednn():
         for u in uses:
-            grads = _per_example_vjp(module, names, params, u, ctx.reruns)
+            grads = _per_example_vjp(module, names, params, u, ctx.reruns, scratch)
             totals = (
                 list(grads)
                 if totals is None
                 else [t + g for t, g in zip(totals, grads, strict=True)]
             )
     assert totals is not None
+    changed = _changed_buffers(module, versions)
+    if changed:  # a buffer not copied (a mask, or in eval mode) was changed by the re-runs
+        kind = type(module).__name__
+        raise GradkitError(
+            message(
+                f"per_example.track: the vmap fallback on {kind} (it re-runs the module "
+                "example by example)",
+                f"the buffers of {kind}",
+                "buffers a re-run leaves as they are",
+                f"{', '.join(changed)} changed in place by the re-runs (the model's state now "
+                "differs from an untracked step's)",
+                "register a rule for the module (@gradkit.per_example.register_rule), or keep "
+                "its forward from updating buffers while tracked",
+            )
+        )
     # not owned: a vjp may return views of the cotangent (autograd's own gradient) or of
     # another parameter's gradient (a class token sliced from the positions' gradient)
     return {k: Materialized(t) for k, t in zip(names, totals, strict=True)}
