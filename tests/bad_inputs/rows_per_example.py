@@ -239,6 +239,12 @@ ROWS = [
         ("model", "torch.nn.Module", "list"),
     ),
     Case(
+        "per_example.track.lazy_layer_not_run",
+        lambda: track(nn.Sequential(nn.LazyLinear(3), nn.Tanh()), "variance"),
+        ValueError,
+        ("'0.weight' uninitialized", "nn.LazyLinear", "run the model once"),
+    ),
+    Case(
         "per_example.track.quantities_as_one_list",
         lambda: track(nn.Linear(2, 2), ["variance", "mean"]),  # type: ignore[arg-type]
         ValueError,

@@ -289,6 +289,18 @@ class Tracker(TrackerResults):
         self._chunk_size = chunk_size
         self._model = model
         named = _named_parameters(modules)
+        lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise ValueError(
+                message(
+                    call,
+                    "model",
+                    "parameters with a shape (lazy layers materialized)",
+                    f"{lazy[0]!r} uninitialized (a lazy layer, nn.LazyLinear, not run yet)"
+                    + (f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""),
+                    "run the model once on a batch before track(), as an optimizer needs too",
+                )
+            )
         self._names = {id(p): n for n, p in named}
         self._params = {id(p): p for _, p in named}
         self._accs: dict[int, PowerSums] = {}
