@@ -34,7 +34,7 @@ import torch
 
 from gradkit.per_example import ParamStats
 from gradkit.per_example._derived import _ratio as ratio
-from gradkit.per_example._derived import median, snr_ratios
+from gradkit.per_example._derived import largest_second_moment, median, snr_ratios
 
 __all__ = ["QUANTILES", "summarize"]
 
@@ -60,12 +60,13 @@ class _Parts:
     ratios: torch.Tensor
 
 
-def _parts(s: ParamStats) -> _Parts:
+def _parts(s: ParamStats, largest: torch.Tensor | float) -> _Parts:
     mean = s.mean
     norm2 = float(mean.square().sum(dtype=torch.float64))
     if s.num_examples < 2:  # one example: no variance (NaN, logged as null), no ratios
         return _Parts(math.nan, norm2, mean.new_empty(0, dtype=torch.float64))
-    return _Parts(float(s.var(unbiased=True).sum(dtype=torch.float64)), norm2, snr_ratios(s))
+    var = float(s.var(unbiased=True).sum(dtype=torch.float64))
+    return _Parts(var, norm2, snr_ratios(s, largest))
 
 
 def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
@@ -97,7 +98,8 @@ def summarize(
     individual gradients taken times ``scale``."""
     params = list(stats.values())
     n = params[0].num_examples if params else 0
-    parts = {name: _parts(s) for name, s in stats.items()}
+    largest = largest_second_moment(params)
+    parts = {name: _parts(s, largest) for name, s in stats.items()}
     record: dict[str, Any] = {"step": step, "examples": n}
     record.update(_reduce(list(parts.values()), scale))
     if norms is not None and norms.numel():
