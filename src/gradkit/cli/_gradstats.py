@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradkit.per_example import gradient_snr, noise_scale, track
+from gradkit.per_example import noise_scale, track
+from gradkit.per_example._derived import largest_second_moment, median, snr_ratios
 
 __all__ = ["GradStatsRecorder", "gradient_stats_markdown"]
 
@@ -51,12 +52,16 @@ class GradStatsRecorder:
             (step, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
         )
         layers = {name.rsplit(".", 1)[0] for name in stats}
+        largest = largest_second_moment(stats.values())
         per_layer = {}
         for layer in sorted(layers):
             names = [n for n in stats if n.rsplit(".", 1)[0] == layer]
+            ratios = [snr_ratios(stats[n], largest) for n in names]
+            joined = torch.cat(ratios) if ratios else torch.empty(0)
             per_layer[layer] = {
                 "noise_scale": noise_scale(stats, names),
-                "snr": sum(gradient_snr(stats, names, reduction="median").values()) / len(names),
+                # the median over the entries of the layer's parameters (the text says so)
+                "snr": median(joined) if joined.numel() else float("nan"),
             }
         norms = stats.batch_l2().sqrt()
         self.records.append(
@@ -122,7 +127,7 @@ at which the noise of the mini-batch gradient matches its signal: above it, larg
 buy little. The SNR of an entry is `mean² / variance` (Liu et al. 2020); the table and plot
 show its median over the entries of each layer.
 
-| layer (last tracked step {last["step"]}) | mean SNR | noise scale |
+| layer (last tracked step {last["step"]}) | median SNR | noise scale |
 |---|---|---|
 {rows}
 
