@@ -188,7 +188,9 @@ def run_case(case: Case, settings: Settings, device: torch.device | None = None)
     )
     base_key = _fastest(timings, case.baseline)
     base_ms = timings[base_key]["median_ms"]
-    base_samples = [min(timings[k]["samples_ms"][r] for k in case.baseline) for r in range(repeats)]
+    # paired with the baseline the ratios divide by (the per-round fastest of several candidates
+    # made an IQR that could exclude the ratio it stands beside: 0.97 against 0.98-0.99)
+    base_samples = timings[base_key]["samples_ms"]
     methods = []
     for m in case.methods:
         t = timings[m.key]
