@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gradkit import per_example
+from gradkit.optim import adam, rmsprop
 from gradkit.per_example._stats import PowerSums
 
 pytestmark = pytest.mark.cpu_only  # the meta device is the stand-in for another device
@@ -78,6 +79,10 @@ ON_THE_CPU = {
     ): "drawn on a CPU generator, then moved to the output's device",
     ("hyper/_projections.py", "torch.zeros(1, dtype=torch.float64)"): "probes a user's function",
     ("per_example/_buffers.py", "torch.empty(1)"): "a storage's use count, once at import",
+    (
+        "per_example/_tracker.py",
+        "torch.tensor(value, dtype=torch.float32)",
+    ): "a GradScaler's scale rounded to float32, read on the host",
     ("testing/_tolerance.py", "torch.as_tensor(a)"): "keeps a tensor's device",
     ("testing/_tolerance.py", "torch.as_tensor(e)"): "keeps a tensor's device",
 }
@@ -142,3 +147,23 @@ def test_an_accumulator_without_examples_gives_empty_results_on_its_device():
     assert acc.device.type == "meta"
     assert acc.zeros(0, *acc.shape).device.type == "meta"
     assert PowerSums(owner.shape, torch.float32).device == torch.device("cpu")  # no owner
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: adam(lr=1e-3, betas=(torch.tensor(0.9), 0.999)),
+        lambda: adam(betas=(torch.full((3,), 0.9), 0.999)),  # a schedule: one value per step
+        lambda: rmsprop(alpha=torch.tensor(0.99), centered=True),
+    ],
+    ids=["adam_beta1", "adam_beta1_schedule", "rmsprop_centered_alpha"],
+)
+def test_a_cpu_scalar_hyperparameter_beside_another_devices_parameters(make):
+    """``torch.tensor(0.9)`` (the README's hyperparameters) stands beside CUDA tensors as a
+    0-dim tensor, but ``lerp`` expanded it to the parameter's shape on the CPU: Adam's and
+    centered RMSprop's steps raised on mixing devices (found on an H200)."""
+    params = {"w": torch.zeros(4, 3, device="meta")}
+    grads = {"w": torch.ones(4, 3, device="meta")}
+    opt = make()
+    new, _ = opt.update(grads, opt.init(params), params)
+    assert new["w"].device.type == "meta"

@@ -17,6 +17,7 @@ the per-micro-batch path, are listed in docs/per_example.md ("GPUs").
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ aten = torch.ops.aten
 # ops that read a device value on the host, or whose output size depends on the data
 _SYNCING = {
     aten._local_scalar_dense,  # .item(), bool(t), float(t), int(t)
+    aten.equal,  # torch.equal: a bool on the host
     aten.is_nonzero,
     aten.nonzero,
     aten.masked_select,
@@ -84,7 +86,9 @@ def forbid_host_sync() -> Iterator[None]:
 @contextlib.contextmanager
 def cuda_sync_debug_error() -> Iterator[None]:
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch's note that the mode is a prototype
+        warnings.filterwarnings("ignore", "Synchronization debug mode", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
@@ -230,11 +234,18 @@ def accumulator_micro_steps():
 
 
 def _operator(kind: type) -> Callable[[], None]:
+    """A product of a curvature operator, without its check for weights edited through
+    ``.data`` (one host read per product: tested on its own below)."""
     model = _mlp()
     data = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
     op = kind(model, F.cross_entropy, data)
     v = torch.randn(op.shape[0])
-    return lambda: op @ v
+
+    def product() -> None:
+        op @ v
+        op._state._values = False  # recorded at the first product
+
+    return product
 
 
 def ggn_product():
@@ -287,6 +298,30 @@ def test_hot_path_passes_cuda_sync_debug_mode(build):
         step()
         with cuda_sync_debug_error():
             step()
+
+
+class _CountSyncs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in _SYNCING:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_curvature_product_reads_one_flag_for_edited_weights(device):
+    """The check that no weight was edited through ``.data`` since the operator was built
+    compares bit patterns: one host read per product (per device), not one per tensor."""
+    model = _mlp()
+    data = (torch.randn(6, 8), torch.randint(0, 3, (6,)))
+    op = curvature.Hessian(model, F.cross_entropy, data)
+    v = torch.randn(op.shape[0])
+    op @ v
+    with _CountSyncs() as counted:
+        op @ v
+    assert counted.count == 1  # tests/curvature/test_stale.py: what the check catches
 
 
 @pytest.mark.parametrize(

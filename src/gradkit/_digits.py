@@ -66,8 +66,9 @@ def stratified_split(
         >>> sorted(y[te].tolist()), len(tr)
         ([0, 0, 1], 9)
     """
-    order = torch.randperm(len(y), generator=generator)
-    test = torch.zeros(len(y), dtype=torch.bool)
+    # drawn on the generator's device (a CUDA default device must not take a CPU generator)
+    order = torch.randperm(len(y), generator=generator, device=generator.device).to(y.device)
+    test = torch.zeros(len(y), dtype=torch.bool, device=y.device)
     for c in torch.unique(y):
         members = order[y[order] == c]
         test[members[: round(test_fraction * len(members))]] = True

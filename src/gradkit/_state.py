@@ -150,8 +150,17 @@ class TensorState:
                 return f"{label} was modified in place"
         if self._modes() != self._mode:
             return "a module switched between train() and eval()"
-        if self._values:
+        if self._values and self._edited():
             for (label, t), copy in zip(self._named, self._copies, strict=True):
                 if _comparable(t) and not torch.equal(_bits(t), _bits(copy)):
                     return f"{label} holds other values (an edit of .data, which bumps no version)"
         return None
+
+    def _edited(self) -> bool:
+        """Whether any value differs from its copy: one host read per device (a GPU waits for
+        its queued work once per check, not once per tensor)."""
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        for (_, t), copy in zip(self._named, self._copies, strict=True):
+            if _comparable(t) and t.numel():
+                flags.setdefault(t.device, []).append((_bits(t) != _bits(copy)).any())
+        return any(bool(torch.stack(fs).any()) for fs in flags.values())

@@ -34,6 +34,7 @@ from gradkit._bench import accumulate, curvature, func, hyper, monitor, per_exam
 from gradkit._bench._case import Case, Settings, run_case
 from gradkit._bench._report import render_markdown, summary_rows, write_outputs
 from gradkit._bench._timing import machine_info
+from gradkit._precision import full_float32
 from gradkit._scope import torch_scope
 
 __all__ = ["SUITES", "bench_device", "main", "run_suite"]
@@ -100,7 +101,9 @@ def run_suite(
     # timing runs outside that mode, which costs about 1 us per torch call (and on the CPU,
     # the default anyway, it is not entered at all)
     build = torch.device(device) if device.type != "cpu" else contextlib.nullcontext()
-    with torch_scope(threads):
+    # every method's float32 products in full float32 on CUDA: cuDNN's TF32 default would put
+    # the references and the methods 1e-4 to 1e-3 apart, past the float32 agreement tolerance
+    with torch_scope(threads), full_float32(device.type == "cuda"):
         torch.manual_seed(seed)
         with build:
             if models is not None:

@@ -194,6 +194,28 @@ class Runner:
 
         self.func_grads: Callable[[], list[torch.Tensor]] = func_grads
 
+    def reference_grads(self) -> list[torch.Tensor]:
+        """The per-example gradients the methods are checked against: torch.func's, in float32
+        on the CPU; on CUDA in float64 (cuDNN's float32 weight gradient of a vmapped
+        convolution was 5e-3 off on an H200, where gradkit's were 6e-7)."""
+        p = self.problem
+        if p.x.device.type == "cpu":
+            return self.func_grads()
+        model = copy.deepcopy(p.model).double()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        x = p.x.double() if p.x.is_floating_point() else p.x
+        y = p.y.double() if p.y.is_floating_point() else p.y
+
+        def loss_one(ps: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
+            def f(*args: Any, **kwargs: Any) -> Any:
+                return functional_call(model, ps, args, kwargs)
+
+            return p.loss_fn(p.call(f, xi[None]), yi[None])
+
+        with quiet():
+            grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+        return list(grads.values())
+
     def _wrap(self, peer: str, call: str, wrap: Callable[[nn.Module], Any]) -> Any:
         """``wrap`` of a deep copy of the model (same weights), or None with a note if it
         raises: the peer refuses the model there."""

@@ -176,7 +176,9 @@ def _case(runner: Runner, quantity: str, grads: list[torch.Tensor], mode: str) -
         baseline=("plain",),
         reference=None,
         reference_value=(
-            "torch.func vmap(grad) per-example gradients (float32), reduced in float64",
+            "torch.func vmap(grad) per-example gradients ("
+            + ("float32" if p.x.device.type == "cpu" else "float64 on the device")
+            + "), reduced in float64",
             expected,
         ),
         dtype=torch.float32,
@@ -255,7 +257,7 @@ def build_cases(mode: str = "full", models: Sequence[str] = MODELS) -> list[Case
         runner = Runner(problem, peers=mode != "quick")
         if _leaks(problem):
             runner.notes.append(_LEAK_NOTE)
-        grads = runner.func_grads()
+        grads = runner.reference_grads()
         for quantity in quantities(key):
             cases.append(_case(runner, quantity, grads, mode))
         del grads

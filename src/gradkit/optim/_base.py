@@ -62,7 +62,9 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight: Scalar) -> torch.Tensor
     """``start + weight * (end - start)`` computed as ``torch.lerp`` (the op ``torch.optim``
     uses, for bitwise-close trajectories), differentiable in ``weight``."""
     if isinstance(weight, torch.Tensor):
-        weight = weight.to(start.dtype)
+        # on start's device: a 0-dim CPU hyperparameter (torch.tensor(0.9)) may stand beside
+        # CUDA tensors, but expanded to start's shape it is a full CPU tensor lerp refuses
+        weight = weight.to(device=start.device, dtype=start.dtype)
         if weight.shape != start.shape:
             weight = weight.expand_as(start)
     return torch.lerp(start, end, weight)

@@ -72,6 +72,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, message
+from gradkit._precision import full_float32, tf32
 from gradkit._sharded import is_dtensor, refuse_fsdp1
 from gradkit._validate import (
     check_bool,
@@ -229,12 +230,20 @@ def _own_outputs(output: Any) -> Any:
     )
 
 
-def _low_precision(outputs: Sequence[Any]) -> bool:
-    """Whether a call's outputs are in a floating dtype below float32 (bf16/fp16: autocast or
-    a low-precision model), which its backward's products use too."""
-    return any(
-        isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in outputs
-    )
+def _low_precision(outputs: Sequence[Any], module: nn.Module | None = None) -> bool:
+    """Whether a call's backward products run below float32: its outputs in bf16/fp16
+    (autocast or a low-precision model), or, on CUDA, float32 outputs whose products run in
+    TF32 (a convolution where ``torch.backends.cudnn.allow_tf32``, its default; another layer
+    where ``torch.backends.cuda.matmul.allow_tf32``, as ``set_float32_matmul_precision("high")``
+    sets): 1e-3 relative, where float32 is 1e-7."""
+    for t in outputs:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype in (torch.bfloat16, torch.float16):
+            return True
+        if t.is_cuda and t.dtype == torch.float32 and tf32(module):
+            return True
+    return False
 
 
 class Tracker(TrackerResults):
@@ -357,6 +366,7 @@ class Tracker(TrackerResults):
         self._unbackwarded = 0  # model calls since the last backward pass
         self._merged = False  # all_reduce was called
         self._model_calls: list[ModelCall] = []  # the model calls under way
+        self._cuda = False  # a tracked call ran on CUDA (see _full_float32)
 
     # -- context manager ---------------------------------------------------------------------
 
@@ -543,7 +553,8 @@ class Tracker(TrackerResults):
             # precision: under bf16/fp16 it is rounded there (4e-3 relative), while the second
             # moment comes from per-example products in float32, and E[g^2] - mean^2 then mixes
             # the two (a variance 3.9x off at an SNR of 500). Such a call's mean is the rule's.
-            low = _low_precision(live)
+            low = _low_precision(live, module)
+            self._cuda = self._cuda or any(t.is_cuda for t in live)
             at_edges = self._want.mean and not low
             mean = EdgeMean.find(params, (args, kwargs), live) if at_edges else EdgeMean()
             if at_edges and mean.casts():
@@ -618,7 +629,7 @@ class Tracker(TrackerResults):
             return False
         if not (output.requires_grad and torch.is_grad_enabled()):
             return False
-        if _low_precision([output]):  # autograd's own product: p.grad as untracked, bit for bit
+        if _low_precision([output], st.module):  # autograd's product: p.grad as untracked
             return False
         weight = st.params["weight"]
         # FSDP2: the forward used its own gathered weight
@@ -731,6 +742,10 @@ class Tracker(TrackerResults):
     # -- processing ----------------------------------------------------------------------------
 
     def _process(self, st: ModuleState) -> None:
+        with full_float32(self._cuda):
+            self._process_pending(st)
+
+    def _process_pending(self, st: ModuleState) -> None:
         pending, st.pending = st.pending, []
         ns = {r.call.n for r, _ in pending}
         if len(ns) != 1:
@@ -951,6 +966,21 @@ class Tracker(TrackerResults):
             if (id(r) in self._kept or id(r) not in done | dropped) and not r.recomputed
         ]
         later.sort(key=lambda item: item[1].shape.numel())  # the largest blocks last
+        with full_float32(self._cuda):
+            self._add_later(later, deferred)
+        n = next(iter(sizes.values()), 0)
+        left_out = self._left_out
+        for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
+            if pid not in reached and pid not in left_out:
+                acc.add_zeros(n, self._want)
+
+    def _add_later(
+        self,
+        later: list[tuple[int, PerExampleGrad, bool, float]],
+        deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]],
+    ) -> None:
+        """Add the per-example gradients kept for the pass's end (``batch_grad``) and those of
+        parameters shared by several modules (combined per example first)."""
         for args in later:
             self._add(*args)
         for pid, parts in deferred.items():
@@ -965,10 +995,5 @@ class Tracker(TrackerResults):
                         self._accs[pid].add_sum(1, _summed(part), alpha=scale)
                 given = True
             self._add(pid, pe, given, parts[0][2])
-        n = next(iter(sizes.values()), 0)
-        left_out = self._left_out
-        for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
-            if pid not in reached and pid not in left_out:
-                acc.add_zeros(n, self._want)
 
     # -- results -------------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""TF32 on CUDA: whether a layer's float32 products run in it, and gradkit's own products in
+full float32 whatever the user's setting."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["full_float32", "tf32"]
+
+# torch >= 2.9 sets TF32 per backend and operator (fp32_precision: "tf32", "ieee" or "none",
+# the latter following its parent); its legacy allow_tf32 flags raise when read after that API
+# was used, so the new one is read and set where it exists
+_NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
+    torch.backends.cudnn, "conv"
+)
+
+
+def tf32(module: nn.Module | None) -> bool:
+    """Whether the layer's float32 products on CUDA may run in TF32: a convolution's or an
+    RNN's by cuDNN's settings (on by default), any layer's matmuls by cuBLAS's (off by default).
+    A module under the fallback is read by what its subtree holds."""
+    subtree = list(module.modules()) if module is not None else []
+    conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in subtree)
+    rnn = any(isinstance(m, nn.RNNBase) for m in subtree)
+    if not _NEW_TF32_API:
+        cudnn_tf32 = (conv or rnn) and torch.backends.cudnn.allow_tf32
+        return bool(cudnn_tf32 or torch.backends.cuda.matmul.allow_tf32)
+    cudnn: Any = torch.backends.cudnn  # its per-operator switches are made at run time
+    chains = [[torch.backends.cuda.matmul]]
+    chains += [[cudnn.conv, cudnn]] if conv else []
+    chains += [[cudnn.rnn, cudnn]] if rnn else []
+    return any(_switched_on(chain) for chain in chains)
+
+
+def _switched_on(chain: list[Any]) -> bool:
+    """Whether the first ``fp32_precision`` set along ``chain`` (then torch's global one) is
+    TF32 ("none" defers to the next)."""
+    for switch in (*chain, torch.backends):
+        value = getattr(switch, "fp32_precision", "none")
+        if value != "none":
+            return bool(value == "tf32")
+    return False
+
+
+@contextlib.contextmanager
+def full_float32(cuda: bool) -> Iterator[None]:
+    """gradkit's own products on CUDA in full float32, whatever TF32 the user's layers run in
+    (restored after: the backward's next nodes are the user's)."""
+    if not cuda:
+        yield
+        return
+    if _NEW_TF32_API:
+        cudnn: Any = torch.backends.cudnn
+        switches = [torch.backends.cuda.matmul, cudnn.conv, cudnn.rnn]
+        saved = [switch.fp32_precision for switch in switches]
+        for switch in switches:
+            switch.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for switch, value in zip(switches, saved, strict=True):
+                switch.fp32_precision = value
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
