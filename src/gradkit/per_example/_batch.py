@@ -300,7 +300,7 @@ def moved_batch(t: torch.Tensor, d: int, n: int, model: ModelCall | None) -> tup
     pre-norm block's residual additions), down to the outputs of batched tracked calls of this
     model call (whose examples' dimension is known), the dimensions' order followed exactly; or,
     for a tensor without a graph, by the strides of a view of the model's input."""
-    if model is None or sum(1 for size in t.shape if size == n) < 2:
+    if model is None or t.shape.count(n) < 2:
         return None  # the sizes say it
     if t.grad_fn is None:
         return _moved_view(t, d, n, model)

@@ -109,8 +109,9 @@ class ModuleState:
     forward_count: int = 0
     pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
+        """``"name (Class)"``, for messages (made once: the hooks read it at every call)."""
         return f"{self.name or 'model'} ({type(self.module).__name__})"
 
 

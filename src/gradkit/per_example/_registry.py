@@ -211,13 +211,14 @@ def check_result(
                 "key each result by the parameter's name in module.named_parameters()",
             )
         )
+    own = builtin(rule)
     for key, value in result.items():
         if not isinstance(value, PerExampleGrad):
             raise TypeError(
                 message(call, f"its result for {key!r}", "a PerExampleGrad", describe(value), fix)
             )
         param = params.get(key)
-        if builtin(rule) or param is None:
+        if own or param is None:
             continue
         coarse = _coarsest(value)
         allowed = [param.dtype] + ([call_dtype] if call_dtype is not None else [])

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from gradkit._errors import GradkitError, message
 from gradkit._precision import full_float32, tf32
@@ -298,7 +299,8 @@ class Tracker(TrackerResults):
         self._chunk_size = chunk_size
         self._model = model
         named = _named_parameters(modules)
-        lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+        # (the mixin: UninitializedParameter's metaclass makes its isinstance a Python call)
+        lazy = [n for n, p in named if isinstance(p, UninitializedTensorMixin)]
         if lazy:
             raise ValueError(
                 message(
@@ -742,7 +744,10 @@ class Tracker(TrackerResults):
     # -- processing ----------------------------------------------------------------------------
 
     def _process(self, st: ModuleState) -> None:
-        with full_float32(self._cuda):
+        if not self._cuda:
+            self._process_pending(st)
+            return
+        with full_float32(True):
             self._process_pending(st)
 
     def _process_pending(self, st: ModuleState) -> None:
@@ -966,8 +971,11 @@ class Tracker(TrackerResults):
             if (id(r) in self._kept or id(r) not in done | dropped) and not r.recomputed
         ]
         later.sort(key=lambda item: item[1].shape.numel())  # the largest blocks last
-        with full_float32(self._cuda):
+        if not self._cuda:
             self._add_later(later, deferred)
+        else:
+            with full_float32(True):
+                self._add_later(later, deferred)
         n = next(iter(sizes.values()), 0)
         left_out = self._left_out
         for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
