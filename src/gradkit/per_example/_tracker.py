@@ -233,10 +233,9 @@ def _own_outputs(output: Any) -> Any:
 
 def _low_precision(outputs: Sequence[Any], module: nn.Module | None = None) -> bool:
     """Whether a call's backward products run below float32: its outputs in bf16/fp16
-    (autocast or a low-precision model), or, on CUDA, float32 outputs whose products run in
-    TF32 (a convolution where ``torch.backends.cudnn.allow_tf32``, its default; another layer
-    where ``torch.backends.cuda.matmul.allow_tf32``, as ``set_float32_matmul_precision("high")``
-    sets): 1e-3 relative, where float32 is 1e-7."""
+    (autocast or a low-precision model), or, on CUDA, float32 outputs whose products may run in
+    TF32 (see :func:`gradkit._precision.tf32`: cuDNN's convolutions and RNNs by default, matmuls
+    after ``set_float32_matmul_precision("high")``): 1e-3 relative, where float32 is 1e-7."""
     for t in outputs:
         if not isinstance(t, torch.Tensor):
             continue
@@ -368,7 +367,7 @@ class Tracker(TrackerResults):
         self._unbackwarded = 0  # model calls since the last backward pass
         self._merged = False  # all_reduce was called
         self._model_calls: list[ModelCall] = []  # the model calls under way
-        self._cuda = False  # a tracked call ran on CUDA (see _full_float32)
+        self._cuda = False  # a tracked call ran on CUDA (see _precision.full_float32)
 
     # -- context manager ---------------------------------------------------------------------
 
