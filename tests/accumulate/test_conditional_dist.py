@@ -140,3 +140,19 @@ def test_requires_initialized_group():
         r"torch.distributed.init_process_group first",
     ):
         DistributedConditionalAccumulator((2,))
+
+
+def test_an_nccl_group_needs_a_cuda_device(monkeypatch):
+    """The default device="cpu" cannot work under NCCL (its collectives take CUDA tensors): the
+    first take failed inside NCCL, after the ranks had waited. Refused at construction; the
+    group is simulated (no GPU here)."""
+    from gradkit.accumulate import _conditional_dist as module
+
+    fake = {"is_available": True, "is_initialized": True, "get_rank": 0, "get_world_size": 2}
+    for name, value in fake.items():
+        monkeypatch.setattr(module.dist, name, lambda *a, value=value, **k: value)
+    monkeypatch.setattr(module.dist, "get_backend", lambda *a, **k: "nccl")
+    with pytest.raises(ValueError) as raised:
+        DistributedConditionalAccumulator((3,), torch.float32)
+    text = str(raised.value)
+    assert "device" in text and "NCCL" in text and "'cpu'" in text and "cuda" in text, text

@@ -132,6 +132,17 @@ class DistributedConditionalAccumulator(ConditionalAccumulator):
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
         self._backend = str(dist.get_backend(group))
+        if self._backend == "nccl" and torch.device(self._device).type != "cuda":
+            raise ValueError(
+                message(
+                    call,
+                    "device",
+                    "a CUDA device for a group of the NCCL backend (its collectives take CUDA "
+                    "tensors only)",
+                    repr(str(self._device)),
+                    "pass device=torch.device('cuda', local_rank), or use a gloo group",
+                )
+            )
         self._take_lock = threading.Lock()
 
     @property
