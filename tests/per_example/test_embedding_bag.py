@@ -293,6 +293,17 @@ def test_scale_grad_by_freq_is_refused():
         model(x, offsets).sum().backward()
 
 
+def test_a_rules_refusal_names_the_module_it_was_raised_for():
+    """The rule names the layer by its class (``Embedding(8, 4)``); in a model of many, the
+    note says which module it was."""
+    model = nn.Sequential(
+        nn.Embedding(8, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 2)
+    )
+    with pytest.raises(GradkitError) as raised, gradkit.per_example.track(model, "variance"):
+        model(torch.randint(0, 8, (5, 3))).sum().backward()
+    assert "(raised by the per-example rule of 0 (Embedding))" in raised.value.__notes__
+
+
 def test_entries_past_the_last_offset_are_refused():
     """torch ignores them in the forward but not in its backward (wrong p.grad): refuse."""
     model = nn.EmbeddingBag(V, D, include_last_offset=True).double()

@@ -770,6 +770,10 @@ class Tracker(TrackerResults):
         ctx = RuleContext(st.params)
         try:
             pes = st.rule(st.module, uses, ctx)
+        except Exception as error:  # a rule's refusal names the class, the note the module
+            if hasattr(error, "add_note"):
+                error.add_note(f"(raised by the per-example rule of {st.label})")
+            raise
         finally:
             self._in_rule = False
         if ctx.reruns:
