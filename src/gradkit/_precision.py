@@ -1,5 +1,6 @@
-"""TF32 on CUDA: whether a layer's float32 products run in it, and gradkit's own products in
-full float32 whatever the user's setting."""
+"""The CUDA backends' switches gradkit reads and sets around its own work: TF32 (whether a
+layer's float32 products run in it, and gradkit's own products in full float32 whatever the
+user's setting) and cuDNN for re-running or differentiating an RNN."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full_float32", "tf32"]
+__all__ = ["full_float32", "tf32", "without_cudnn_rnn"]
 
 # torch >= 2.9 sets TF32 per backend and operator (fp32_precision: "tf32", "ieee" or "none",
 # the latter following its parent); its legacy allow_tf32 flags raise when read after that API
@@ -72,3 +73,21 @@ def full_float32(cuda: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+@contextlib.contextmanager
+def without_cudnn_rnn(module: nn.Module) -> Iterator[None]:
+    """cuDNN off while ``module`` holds an RNN: re-run functionally (the vmap fallback), cuDNN's
+    RNN flattens its weights through their data pointers, which torch.func's tensors do not have
+    ("Cannot access data pointer of Tensor that doesn't have storage"); and cuDNN's RNN backward
+    runs in training mode only. The native CUDA kernels give the same numbers."""
+    if not torch.backends.cudnn.enabled or not any(
+        isinstance(m, nn.RNNBase) for m in module.modules()
+    ):
+        yield
+        return
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = True

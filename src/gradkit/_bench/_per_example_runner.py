@@ -138,6 +138,28 @@ class Variant:
     value: Callable[[Any], Any] = _same
 
 
+def _vmap_grads(
+    p: Problem, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], list[torch.Tensor]]:
+    """torch.func's per-example gradients of ``p``'s loss for ``model`` on ``(x, y)``, as a call
+    (the torch.func method times it)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(ps: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
+        def f(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, ps, args, kwargs)
+
+        return p.loss_fn(p.call(f, xi[None]), yi[None])
+
+    per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
+
+    def grads() -> list[torch.Tensor]:
+        with quiet():  # e.g. vmap's note on ops without a batching rule (attention)
+            return list(per_example(params, x, y).values())
+
+    return grads
+
+
 @dataclass
 class Runner:
     """Every way to compute each quantity on one problem, as calls of no argument; the peers'
@@ -178,21 +200,7 @@ class Runner:
                     m, loss_reduction=p.reduction, max_grad_norm=1.0, use_ghost_clipping=True
                 ),
             )
-        params = {k: v.detach() for k, v in p.model.named_parameters()}
-
-        def loss_one(ps: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
-            def f(*args: Any, **kwargs: Any) -> Any:
-                return functional_call(p.model, ps, args, kwargs)
-
-            return p.loss_fn(p.call(f, xi[None]), yi[None])
-
-        per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-
-        def func_grads() -> list[torch.Tensor]:
-            with quiet():  # e.g. vmap's note on ops without a batching rule (attention)
-                return list(per_example(params, p.x, p.y).values())
-
-        self.func_grads: Callable[[], list[torch.Tensor]] = func_grads
+        self.func_grads = _vmap_grads(p, p.model, p.x, p.y)
 
     def reference_grads(self) -> list[torch.Tensor]:
         """The per-example gradients the methods are checked against: torch.func's, in float32
@@ -201,20 +209,9 @@ class Runner:
         p = self.problem
         if p.x.device.type == "cpu":
             return self.func_grads()
-        model = copy.deepcopy(p.model).double()
-        params = {k: v.detach() for k, v in model.named_parameters()}
         x = p.x.double() if p.x.is_floating_point() else p.x
         y = p.y.double() if p.y.is_floating_point() else p.y
-
-        def loss_one(ps: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
-            def f(*args: Any, **kwargs: Any) -> Any:
-                return functional_call(model, ps, args, kwargs)
-
-            return p.loss_fn(p.call(f, xi[None]), yi[None])
-
-        with quiet():
-            grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
-        return list(grads.values())
+        return _vmap_grads(p, copy.deepcopy(p.model).double(), x, y)()
 
     def _wrap(self, peer: str, call: str, wrap: Callable[[nn.Module], Any]) -> Any:
         """``wrap`` of a deep copy of the model (same weights), or None with a note if it

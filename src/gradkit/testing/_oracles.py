@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradkit._precision import without_cudnn_rnn
+
 __all__ = [
     "finite_difference_grad",
     "finite_difference_hvp",
@@ -62,12 +64,7 @@ def per_example_grads(
             targets = targets.to(dtype)
     named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
     rows: dict[str, list[torch.Tensor]] = {n: [] for n, _ in named}
-    # cuDNN's RNN backward runs in training mode only: the native kernels differentiate an RNN
-    # in eval mode too (the same numbers)
-    rnn = any(isinstance(sub, nn.RNNBase) for sub in m.modules())
-    cudnn = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = cudnn and not rnn
-    try:
+    with without_cudnn_rnn(m):  # cuDNN's RNN backward runs in training mode only
         for i in range(inputs.shape[batch_dim]):
             x_i = inputs.narrow(batch_dim, i, 1)
             y_i = None if targets is None else targets[i : i + 1]
@@ -75,8 +72,6 @@ def per_example_grads(
             grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
             for (n, p), g in zip(named, grads, strict=True):
                 rows[n].append(torch.zeros_like(p) if g is None else g)
-    finally:
-        torch.backends.cudnn.enabled = cudnn
     return {n: torch.stack(r) for n, r in rows.items()}
 
 

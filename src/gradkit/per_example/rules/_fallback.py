@@ -33,6 +33,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradkit._errors import GradkitError, message
+from gradkit._precision import without_cudnn_rnn
 from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use
@@ -112,20 +113,16 @@ def _per_example_vjp(
     keep = [k for k, g in enumerate(grads) if g is not None]
     for k in keep:
         if dims.outputs[k] is None:
-            kind = type(module).__name__
-            own = [n for n in names if "." not in n] or names
             raise GradkitError(
                 message(
-                    f"per_example.track: the vmap fallback on {kind} (it re-runs the module "
-                    "example by example)",
-                    f"output {k} of {kind}",
+                    _by_fallback(module),
+                    f"output {k} of {type(module).__name__}",
                     "outputs with a batch dimension, whose gradient can be split by example",
                     f"shape {tuple(grads[k].shape)}, no batch dimension: a quantity of the "
                     "whole batch (a loss computed inside the model, CLIPModel(return_loss=True))",
                     "compute the loss outside the module from outputs of one example each, or "
-                    f"freeze {kind}'s own parameters ({', '.join(own[:3])}"
-                    f"{', ...' if len(own) > 3 else ''}) so that the layers inside it are split "
-                    "by their rules (a loss mixing examples then gives each example's share "
+                    f"{_freeze_own(module, names)} so that the layers inside it are split by "
+                    "their rules (a loss mixing examples then gives each example's share "
                     "through its own activations)",
                 )
             )
@@ -196,12 +193,10 @@ def _per_example_vjp(
             for i in range(n)
         ]
     except RuntimeError as err:
-        kind = type(module).__name__
         raise GradkitError(
             message(
-                f"per_example.track: the vmap fallback on {kind} (it re-runs the module "
-                "example by example)",
-                f"a re-run of {kind} on one example",
+                _by_fallback(module),
+                f"a re-run of {type(module).__name__} on one example",
                 "the module's forward on one example's slice of each argument",
                 f"torch raised {type(err).__name__}: {err}",
                 "where an argument holds its examples in another dimension than the one split "
@@ -216,6 +211,21 @@ def _per_example_vjp(
     return checked((found, outs))
 
 
+def _by_fallback(module: nn.Module) -> str:
+    """The call an error of the fallback names."""
+    return (
+        f"per_example.track: the vmap fallback on {type(module).__name__} (it re-runs the "
+        "module example by example)"
+    )
+
+
+def _freeze_own(module: nn.Module, names: list[str]) -> str:
+    """``freeze <Class>'s own parameters (a, b, ...)``: the module's own, not its children's."""
+    own = [n for n in names if "." not in n] or names
+    listed = ", ".join(own[:3]) + (", ..." if len(own) > 3 else "")
+    return f"freeze {type(module).__name__}'s own parameters ({listed})"
+
+
 def _dims_text(dims: list[int | None]) -> str:
     split = [f"argument {k}: {d}" for k, d in enumerate(dims) if d is not None]
     return "split: " + ", ".join(split) if split else "none split"
@@ -227,22 +237,18 @@ def _pairs_examples(
     """The error for an output whose row for one example is not what the module gives that
     example alone (CLIP's ``logits_per_image``, ``[N, N]``: one example's row holds its
     similarity to every other)."""
-    kind = type(module).__name__
-    own = [n for n in names if "." not in n] or names  # its own, not its children's
     return GradkitError(
         message(
-            f"per_example.track: the vmap fallback on {kind} (it re-runs the module example by "
-            "example)",
-            f"output {k} of {kind}",
+            _by_fallback(module),
+            f"output {k} of {type(module).__name__}",
             "outputs whose row for an example is that example's own output",
             f"{tuple(row)} per example in the gradient, {tuple(one)} from one example alone: "
             "the output pairs examples with each other (a contrastive model's [N, N] "
             "similarities), or an argument was split along a dimension that does not hold its "
             "examples",
             "compute the loss from outputs of one example each (CLIPModel's image_embeds and "
-            f"text_embeds), or freeze {kind}'s own parameters ({', '.join(own[:3])}"
-            f"{', ...' if len(own) > 3 else ''}) so that the layers inside it are split by "
-            "their rules; where an argument holds its examples in another dimension (a "
+            f"text_embeds), or {_freeze_own(module, names)} so that the layers inside it are "
+            "split by their rules; where an argument holds its examples in another dimension (a "
             "sequence-first tensor), pass batch_dim={its name: d}",
         )
     )
@@ -310,23 +316,6 @@ def _without_onednn() -> Iterator[None]:
         torch._C._set_mkldnn_enabled(enabled)
 
 
-@contextlib.contextmanager
-def _without_cudnn_rnn(module: nn.Module) -> Iterator[None]:
-    """cuDNN off while a module holding an RNN is re-run: its RNN flattens its weights through
-    their data pointers, which the functional re-run's tensors do not have ("Cannot access data
-    pointer of Tensor that doesn't have storage"); the native CUDA kernels are exact."""
-    if not torch.backends.cudnn.enabled or not any(
-        isinstance(m, nn.RNNBase) for m in module.modules()
-    ):
-        yield
-        return
-    torch.backends.cudnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.enabled = True
-
-
 def _scratch_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the buffers a module in training mode may update as it runs (running
     statistics: ``InstanceNorm(track_running_stats=True)``, an EMA), which the re-runs update
@@ -353,7 +342,7 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     totals: list[torch.Tensor] | None = None
     scratch = _scratch_buffers(module)
     versions = {name: b._version for name, b in module.named_buffers()}
-    with torch.enable_grad(), _without_onednn(), _without_cudnn_rnn(module):
+    with torch.enable_grad(), _without_onednn(), without_cudnn_rnn(module):
         for u in uses:
             grads = _per_example_vjp(module, names, params, u, ctx.reruns, scratch)
             totals = (
@@ -364,12 +353,10 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     assert totals is not None
     changed = _changed_buffers(module, versions)
     if changed:  # a buffer not copied (a mask, or in eval mode) was changed by the re-runs
-        kind = type(module).__name__
         raise GradkitError(
             message(
-                f"per_example.track: the vmap fallback on {kind} (it re-runs the module "
-                "example by example)",
-                f"the buffers of {kind}",
+                _by_fallback(module),
+                f"the buffers of {type(module).__name__}",
                 "buffers a re-run leaves as they are",
                 f"{', '.join(changed)} changed in place by the re-runs (the model's state now "
                 "differs from an untracked step's)",
