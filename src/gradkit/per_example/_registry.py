@@ -222,7 +222,7 @@ def check_result(
             continue
         coarse = _coarsest(value)
         allowed = [param.dtype] + ([call_dtype] if call_dtype is not None else [])
-        if coarse is not None and torch.finfo(coarse).eps > max(_eps(d) for d in allowed):
+        if coarse is not None and _eps(coarse) > max(_eps(d) for d in allowed):
             # statistics of a float64 model from float32 gradients: 1e-7, not 1e-16, silently
             raise TypeError(
                 message(
@@ -250,7 +250,7 @@ def _coarsest(value: PerExampleGrad) -> torch.dtype | None:
     else:
         return None
     dtypes = [t.dtype for t in tensors if t.is_floating_point()]
-    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else None
+    return max(dtypes, key=_eps) if dtypes else None
 
 
 def find_rule(module: nn.Module) -> Rule | None:

@@ -236,14 +236,11 @@ def _low_precision(outputs: Sequence[Any], module: nn.Module | None = None) -> b
     (autocast or a low-precision model), or, on CUDA, float32 outputs whose products may run in
     TF32 (see :func:`gradkit._precision.tf32`: cuDNN's convolutions and RNNs by default, matmuls
     after ``set_float32_matmul_precision("high")``): 1e-3 relative, where float32 is 1e-7."""
-    for t in outputs:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if t.dtype in (torch.bfloat16, torch.float16):
-            return True
-        if t.is_cuda and t.dtype == torch.float32 and tf32(module):
-            return True
-    return False
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    if any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors):
+        return True
+    cuda32 = any(t.is_cuda and t.dtype == torch.float32 for t in tensors)
+    return cuda32 and tf32(module)  # the module's subtree read once
 
 
 class Tracker(TrackerResults):

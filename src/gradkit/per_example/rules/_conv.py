@@ -42,6 +42,11 @@ def _pads(module: nn.modules.conv._ConvNd, spatial: int) -> list[int]:
     return [p for i in reversed(range(spatial)) for p in (module.padding[i],) * 2]
 
 
+def _pad_mode(module: nn.modules.conv._ConvNd) -> str:
+    """``F.pad``'s mode for the module's ``padding_mode``."""
+    return "constant" if module.padding_mode == "zeros" else module.padding_mode
+
+
 def unfold_patches(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Tensor:
     """``[N, C_in * prod(kernel), L]`` patches of ``x`` as the convolution sees them.
 
@@ -50,7 +55,7 @@ def unfold_patches(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Te
     32x32 input, batch 64: 0.68 ms against 4.97 ms). Elsewhere ``F.unfold`` where it applies."""
     spatial = x.dim() - 2
     pads = _pads(module, spatial)
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    mode = _pad_mode(module)
     if (
         x.device.type != "cpu"
         and spatial == 2
@@ -221,9 +226,7 @@ class ConvWeightGrad(PerExampleGrad):
         """The inputs padded as the convolution pads them, for the grouped method (made on its
         first block: a copy of the inputs the unfolded patches do not need)."""
         if self._padded_inputs is None:
-            m = self.module
-            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-            pads = self._pads
+            pads, mode = self._pads, _pad_mode(self.module)
             self._padded_inputs = [
                 F.pad(x, pads, mode=mode) if any(pads) else x for x, _ in self.uses
             ]
