@@ -31,7 +31,7 @@ WINDOWS = [
 
 
 def data():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     tokens = torch.randint(1, 10, (18, 6), generator=g)
     labels = torch.randint(0, 10, (18, 6), generator=g)
     lengths = torch.tensor([1, 6, 2, 5, 3, 6, 6, 4, 1, 2, 3, 5, 1, 6, 2, 4, 6, 1])

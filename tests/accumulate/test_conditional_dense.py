@@ -333,7 +333,7 @@ def test_case20_apply_copies_and_take_returns_fresh_tensor():
 
 # ------------------------------------------------------------------ beyond the reference
 def test_mean_matches_float64_oracle():
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     grads = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(7)]
     acc = ConditionalAccumulator(shape=(4, 3), dtype=torch.float64)
     for x in grads:
@@ -374,17 +374,17 @@ def test_scalar_shape():
 @pytest.mark.parametrize(
     ("step", "err", "match"),
     [
-        (1.0, TypeError, r"local_step: expected an int .*got 1.0; pass an int"),
-        (True, TypeError, r"local_step: expected an int"),
-        ("3", TypeError, r"local_step: expected an int"),
-        (torch.tensor([1, 2]), ValueError, r"local_step: expected a scalar"),
-        (torch.tensor(0.0), TypeError, r"local_step: expected an int"),
+        (lambda: 1.0, TypeError, r"local_step: expected an int .*got 1.0; pass an int"),
+        (lambda: True, TypeError, r"local_step: expected an int"),
+        (lambda: "3", TypeError, r"local_step: expected an int"),
+        (lambda: torch.tensor([1, 2]), ValueError, r"local_step: expected a scalar"),
+        (lambda: torch.tensor(0.0), TypeError, r"local_step: expected an int"),
     ],
 )
 def test_local_step_must_be_an_int(step, err, match):
     acc = ConditionalAccumulator(shape=[1])
     with pytest.raises(err, match=match):
-        acc.apply_grad(scalar(1.0), step)
+        acc.apply_grad(scalar(1.0), step())
 
 
 def test_local_step_as_int_tensor():
@@ -392,11 +392,15 @@ def test_local_step_as_int_tensor():
     assert acc.apply_grad(scalar(1.0), torch.tensor(0))
 
 
-@pytest.mark.parametrize("bad", [1.5, "2", None, torch.tensor([1, 2])])
+@pytest.mark.parametrize(
+    "bad",
+    [lambda: 1.5, lambda: "2", lambda: None, lambda: torch.tensor([1, 2])],
+    ids=["float", "str", "none", "vector"],
+)
 def test_num_required_must_be_an_int(bad):
     acc = ConditionalAccumulator(shape=[1])
     with pytest.raises((TypeError, ValueError), match=r"take_grad\(.*\): num_required: expected"):
-        acc.take_grad(bad)
+        acc.take_grad(bad())
 
 
 @pytest.mark.parametrize("bad", [-1.0, "1", float("nan"), True])
@@ -432,9 +436,12 @@ def test_timeout_message_counts_takes_ahead():
 @pytest.mark.parametrize(
     ("grad", "match"),
     [
-        ([1.0], r"grad: expected a torch.Tensor, got list\[1.0\] \(length 1\); pass a tensor"),
         (
-            torch.ones(1).to_sparse(),
+            lambda: [1.0],
+            r"grad: expected a torch.Tensor, got list\[1.0\] \(length 1\); pass a tensor",
+        ),
+        (
+            lambda: torch.ones(1).to_sparse(),
             r"grad: expected a dense \(strided\) tensor, got a tensor "
             r"with layout torch.sparse_coo; use SparseConditionalAccumulator",
         ),
@@ -443,7 +450,7 @@ def test_timeout_message_counts_takes_ahead():
 def test_grad_must_be_a_dense_tensor(grad, match):
     acc = ConditionalAccumulator(shape=[1])
     with pytest.raises(TypeError, match=match):
-        acc.apply_grad(grad, 0)
+        acc.apply_grad(grad(), 0)
 
 
 @pytest.mark.parametrize(
@@ -502,22 +509,25 @@ def test_load_state_dict_serves_waiting_take():
     ("other", "match"),
     [
         (
-            ConditionalAccumulator(shape=[1], reduction="sum"),
+            lambda: ConditionalAccumulator(shape=[1], reduction="sum"),
             r"state\['reduction'\]: expected "
             r"'mean', got 'sum'",
         ),
         (
-            ConditionalAccumulator(shape=[1], dtype=torch.float64),
+            lambda: ConditionalAccumulator(shape=[1], dtype=torch.float64),
             r"state\['dtype'\]: expected "
             r"'float32', got 'float64'",
         ),
-        (ConditionalAccumulator(shape=[2]), r"state\['shape'\]: expected \[1\], got \[2\]"),
+        (
+            lambda: ConditionalAccumulator(shape=[2]),
+            r"state\['shape'\]: expected \[1\], got \[2\]",
+        ),
     ],
 )
 def test_load_state_dict_rejects_other_configuration(other, match):
     acc = ConditionalAccumulator(shape=[1])
     with pytest.raises(ValueError, match=r"load_state_dict\(state\): " + match):
-        acc.load_state_dict(other.state_dict())
+        acc.load_state_dict(other().state_dict())
 
 
 def test_repr():

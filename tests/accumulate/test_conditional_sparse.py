@@ -22,12 +22,18 @@ from gradkit.testing import assert_close
 from ._cond_helpers import Background, wait_until
 
 T = torch.tensor
-A = (T([0, 1]), T([[1.0, 0.0], [0.0, 2.0]]))
-B = (T([0, 2]), T([[0.0, 1.0], [3.0, 0.0]]))
+
+
+def slices_a():
+    return T([0, 1]), T([[1.0, 0.0], [0.0, 2.0]])
+
+
+def slices_b():
+    return T([0, 2]), T([[0.0, 1.0], [3.0, 0.0]])
 
 
 def apply_ab(acc, step=0, scale=1.0):
-    for idx, vals in (A, B):
+    for idx, vals in (slices_a(), slices_b()):
         assert acc.apply_indexed_slices_grad(idx, vals * scale, step, dense_shape=[3, 2])
 
 
@@ -55,7 +61,7 @@ def test_case21_mean_equals_dense_accumulator_on_densified_gradients():
     sparse = SparseConditionalAccumulator(shape=(3, 2))
     dense = ConditionalAccumulator(shape=(3, 2))
     apply_ab(sparse)
-    for idx, vals in (A, B):
+    for idx, vals in (slices_a(), slices_b()):
         dense.apply_grad(IndexedSlices(idx, vals, (3, 2)).to_dense(), 0)
     assert_close(sparse.take_grad(2).to_dense(), dense.take_grad(2))
 
@@ -64,7 +70,7 @@ def test_case22_second_window():
     acc = SparseConditionalAccumulator(shape=(), reduction="row_mean")
     apply_ab(acc)
     acc.take_grad(1)
-    assert not acc.apply_indexed_slices_grad(*A, local_step=0)  # stale after the take
+    assert not acc.apply_indexed_slices_grad(*slices_a(), local_step=0)  # stale after the take
     apply_ab(acc, step=1, scale=10.0)
     out = acc.take_indexed_slices_grad(1)
     assert out.values.tolist() == [[5.0, 5.0], [0.0, 20.0], [30.0, 0.0]]
@@ -72,36 +78,46 @@ def test_case22_second_window():
 
 
 @pytest.mark.parametrize(
-    ("indices", "values", "err", "match"),
+    ("slices", "err", "match"),
     [
         (
-            T(0),
-            T([1.0]),
+            lambda: (T(0), T([1.0])),
             ValueError,
             r"indices: expected a vector \(1-D\) of row indices, got "
             r"shape \(\); indices should be vector; wrap a single index as torch.tensor\(\[i\]\)",
         ),
-        (T([[0, 1]]), T([[1.0], [2.0]]), ValueError, r"indices: .*indices should be vector"),
         (
-            T([0]),
-            T(1.0),
+            lambda: (T([[0, 1]]), T([[1.0], [2.0]])),
+            ValueError,
+            r"indices: .*indices should be vector",
+        ),
+        (
+            lambda: (T([0]), T(1.0)),
             ValueError,
             r"values: expected rank >= 1: \[len\(indices\), "
             r"\*row_shape\], got a 0-dimensional tensor; values cannot be 0-dimensional",
         ),
         (
-            T([0, 1]),
-            T([[1.0]]),
+            lambda: (T([0, 1]), T([[1.0]])),
             ValueError,
             r"values: expected 2 rows \(one per index\), got 1 "
             r"rows",
         ),
-        (T([0.0]), T([1.0]), TypeError, r"indices: expected an int32 or int64 tensor"),
-        (T([-1]), T([1.0]), ValueError, r"indices: expected row indices >= 0, got index -1"),
-        (T([0]), T([1], dtype=torch.int64), TypeError, r"values.dtype: expected torch.float32"),
+        (lambda: (T([0.0]), T([1.0])), TypeError, r"indices: expected an int32 or int64 tensor"),
+        (
+            lambda: (T([-1]), T([1.0])),
+            ValueError,
+            r"indices: expected row indices >= 0, got index -1",
+        ),
+        (
+            lambda: (T([0]), T([1], dtype=torch.int64)),
+            TypeError,
+            r"values.dtype: expected torch.float32",
+        ),
     ],
 )
-def test_case23_malformed_gradients(indices, values, err, match):
+def test_case23_malformed_gradients(slices, err, match):
+    indices, values = slices()
     acc = SparseConditionalAccumulator()
     with pytest.raises(
         err, match=r"apply_indexed_slices_grad\(indices, values, local_step=0\): " + match
@@ -179,7 +195,7 @@ def test_case25_returned_dense_shape(shape, values_shape, want):
 
 def test_case26_int32_indices_and_shape():
     acc = SparseConditionalAccumulator(shape=(3, 2), reduction="sum")
-    idx, vals = A
+    idx, vals = slices_a()
     acc.apply_indexed_slices_grad(
         idx.int(), vals, 0, dense_shape=torch.tensor([3, 2], dtype=torch.int32)
     )
@@ -271,23 +287,23 @@ def test_indexed_slices_round_trip():
     ("grad", "match"),
     [
         (
-            torch.ones(2, 2),
+            lambda: torch.ones(2, 2),
             r"grad: expected a sparse COO tensor or an IndexedSlices, got a tensor "
             r"with layout torch.strided",
         ),
-        ("x", r"grad: expected a torch.Tensor"),
+        (lambda: "x", r"grad: expected a torch.Tensor"),
     ],
 )
 def test_apply_grad_requires_sparse(grad, match):
     acc = SparseConditionalAccumulator()
     with pytest.raises(TypeError, match=r"apply_grad\(grad, local_step=0\): " + match):
-        acc.apply_grad(grad, 0)
+        acc.apply_grad(grad(), 0)
 
 
 def test_apply_requires_local_step():
     acc = SparseConditionalAccumulator()
     with pytest.raises(TypeError, match=r"local_step: expected the number of takes"):
-        acc.apply_indexed_slices_grad(*A)
+        acc.apply_indexed_slices_grad(*slices_a())
     with pytest.raises(TypeError, match=r"TensorFlow's default local_step=0"):
         acc.apply_grad(torch.ones(2, 2).to_sparse(1))
 
@@ -299,11 +315,11 @@ def test_dense_shape_must_match_values():
         match=r"dense_shape: expected rank 2 with dims 1.. equal to "
         r"values.shape\[1:\] = \(2,\), got \(3, 3\)",
     ):
-        acc.apply_indexed_slices_grad(*A, 0, dense_shape=(3, 3))
+        acc.apply_indexed_slices_grad(*slices_a(), 0, dense_shape=(3, 3))
     with pytest.raises(ValueError, match=r"expected row indices < 1 \(dense_shape\[0\]\)"):
-        acc.apply_indexed_slices_grad(*A, 0, dense_shape=(1, 2))
+        acc.apply_indexed_slices_grad(*slices_a(), 0, dense_shape=(1, 2))
     with pytest.raises(TypeError, match=r"dense_shape: expected a sequence of ints >= 0"):
-        acc.apply_indexed_slices_grad(*A, 0, dense_shape=(-1, 2))
+        acc.apply_indexed_slices_grad(*slices_a(), 0, dense_shape=(-1, 2))
 
 
 def test_invalid_reduction():

@@ -35,7 +35,7 @@ def gpt2() -> nn.Module:
 
 
 def batch() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).long()
     ids = torch.randint(3, V, (len(LENGTHS), T), generator=g) * mask
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,8 @@ class Case:
         run: the call; with ``raises=None`` it checks its own result against an oracle.
         raises: the exception type the call must raise, or ``None`` when it must succeed.
         words: fragments (case-insensitive) the message must contain: the argument or module
-            it names, what was wrong, what to do.
+            it names, what was wrong, what to do. ``{device}`` in a fragment stands for the
+            device the test runs on (``cpu``, ``cuda:0``).
         unchanged: for a failing call, returns the tensors that must be bit-for-bit the same
             after the call as before it.
     """
@@ -34,3 +37,10 @@ class Case:
     raises: type[BaseException] | None = None
     words: Sequence[str] = ()
     unchanged: Callable[[], Sequence[torch.Tensor]] | None = None
+
+
+class Built(NamedTuple):
+    """A model and an operator built from it (by a cached builder a row calls at test time)."""
+
+    model: nn.Module
+    op: Any

@@ -46,19 +46,25 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
 
 
-_X = torch.randn(7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-_Y = torch.randn(7, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+def _x() -> torch.Tensor:
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
+    return torch.randn(7, 3, dtype=torch.float64, generator=gen)
+
+
+def _y() -> torch.Tensor:
+    gen = torch.Generator(torch.get_default_device()).manual_seed(2)
+    return torch.randn(7, 2, dtype=torch.float64, generator=gen)
 
 
 def _loss(model: nn.Module, lo: int, hi: int) -> torch.Tensor:
-    return ((model(_X[lo:hi]) - _Y[lo:hi]) ** 2).sum()
+    return ((model(_x()[lo:hi]) - _y()[lo:hi]) ** 2).sum()
 
 
 def _open_window(
     count: int = 3, **kwargs: Any
 ) -> tuple[nn.Module, torch.optim.Optimizer, Accumulator]:
     """A model whose Adam has stepped once, and an accumulator with one micro-step of
-    ``count`` examples (``_X[2:2 + count]``) in its open window."""
+    ``count`` examples (``_x()[2:2 + count]``) in its open window."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     acc = Accumulator(model, opt, **kwargs)
@@ -215,7 +221,7 @@ def _subset_optimizer() -> None:
     model[0].requires_grad_(False)
     opt = _Keep(model[2].parameters())
     acc = Accumulator(model, opt)
-    for part in acc.split((_X, _Y), num_micro_batches=3):
+    for part in acc.split((_x(), _y()), num_micro_batches=3):
         with acc.micro_step():
             acc.backward(((model(part[0]) - part[1]) ** 2).sum())
     acc.step()
@@ -228,11 +234,11 @@ def _split_parts() -> None:
     assert torch.equal(torch.cat(parts), torch.arange(10))
 
 
-def _acc_split(batch: Any, **kwargs: Any) -> Callable[[], object]:
+def _acc_split(batch: Callable[[], Any], **kwargs: Any) -> Callable[[], object]:
     def run() -> object:
         model = _model()
         acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        return list(acc.split(batch, **kwargs))
+        return list(acc.split(batch(), **kwargs))
 
     return run
 
@@ -242,12 +248,14 @@ def _sum_loss(m: nn.Module, b: Any) -> torch.Tensor:
     return F.mse_loss(m(b[0]), b[1], reduction="sum")
 
 
-def _sizing(**kwargs: Any) -> Callable[[], object]:
+def _sizing(
+    batch: Callable[[], Any] = lambda: (_x(), _y()),
+    model: Callable[[], Any] = _model,
+    loss_fn: Any = _sum_loss,
+    **kwargs: Any,
+) -> Callable[[], object]:
     def run() -> object:
-        batch = kwargs.pop("batch", (_X, _Y))
-        model = kwargs.pop("model", _model())
-        loss_fn = kwargs.pop("loss_fn", _sum_loss)
-        return find_micro_batch_size(model, loss_fn, batch, **kwargs)
+        return find_micro_batch_size(model(), loss_fn, batch(), **kwargs)
 
     return run
 
@@ -257,7 +265,7 @@ def _bn_untouched() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).double()
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
-    activation_bytes(model, lambda m, b: m(b).sum(), _X)
+    activation_bytes(model, lambda m, b: m(b).sum(), _x())
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers, strict=True))
     assert torch.equal(torch.get_rng_state(), rng)
 
@@ -379,7 +387,7 @@ ROWS: list[Case] = [
              lambda m, o, a: a.backward(_loss(m, 0, 1)), GradkitError,
              ("backward", "inside", "micro_step")),
     _acc_row(f"{_A}.backward_vector_loss",
-             _backward_of(lambda m: m(_X[:2]).sum(1)), ValueError,
+             _backward_of(lambda m: m(_x()[:2]).sum(1)), ValueError,
              ("loss", "scalar tensor", "shape=(2,)", ".sum()")),
     _acc_row(f"{_A}.backward_detached_loss",
              _backward_of(lambda m: _loss(m, 0, 2).detach()), ValueError,
@@ -397,8 +405,9 @@ ROWS: list[Case] = [
              ("count", "is 0", "acc.reset()", "nothing was changed"), count=0),
     Case(f"{_A}.stale_gradients_before_the_first_window", _stale_grads, GradkitError,
          ("already hold gradients", "zero_grad")),
-    Case(f"{_A}.split_mismatched_lengths", _acc_split((_X, _Y[:5]), micro_batch_size=2),
-         ValueError, ("batch[0]: 7", "batch[1]: 5", "same length")),
+    Case(f"{_A}.split_mismatched_lengths",
+         _acc_split(lambda: (_x(), _y()[:5]), micro_batch_size=2), ValueError,
+         ("batch[0]: 7", "batch[1]: 5", "same length")),
     # answers that must be right (checked against the full-batch gradient)
     Case(f"{_A}.float64_exact_with_clipping", _exact_float64_clipped),
     Case(f"{_A}.empty_micro_batch_adds_nothing", _empty_micro_batch),
@@ -437,7 +446,7 @@ ROWS: list[Case] = [
     Case("accumulate.find_micro_batch_size.max_size_zero",
          _sizing(budget_bytes=10**6, max_size=0), ValueError, ("max_size", "an int", "0")),
     Case("accumulate.find_micro_batch_size.model_list",
-         _sizing(budget_bytes=10**6, model=[nn.Linear(3, 2)]), TypeError,
+         _sizing(budget_bytes=10**6, model=lambda: [nn.Linear(3, 2)]), TypeError,
          ("model", "torch.nn.Module", "list")),
     Case("accumulate.find_micro_batch_size.loss_fn_not_callable",
          _sizing(budget_bytes=10**6, loss_fn="mse"), TypeError, ("loss_fn", "callable", "'mse'")),
@@ -445,10 +454,10 @@ ROWS: list[Case] = [
          _sizing(budget_bytes=10**6, loss_fn=lambda m, b: m(b[0]).sum(1)), ValueError,
          ("loss_fn", "scalar loss", "shape=(")),
     Case("accumulate.find_micro_batch_size.mismatched_batch",
-         _sizing(budget_bytes=10**6, batch=(_X, _Y[:3])), ValueError,
+         _sizing(budget_bytes=10**6, batch=lambda: (_x(), _y()[:3])), ValueError,
          ("batch[0]: 7", "batch[1]: 3")),
     Case("accumulate.activation_bytes.model_list",
-         lambda: activation_bytes([nn.Linear(3, 2)], _sum_loss, (_X, _Y)), TypeError,
+         lambda: activation_bytes([nn.Linear(3, 2)], _sum_loss, (_x(), _y())), TypeError,
          ("activation_bytes", "model", "torch.nn.Module")),
     Case("accumulate.activation_bytes.leaves_batchnorm_and_rng_untouched", _bn_untouched),
     # AdaptiveBatchSize

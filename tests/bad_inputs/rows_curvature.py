@@ -7,6 +7,7 @@ the curvature at the new parameters)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from gradkit import GradkitError
 from gradkit.curvature import GGN, Hessian, diagonal, eigenvalues, spectral_density, trace
 from gradkit.testing import assert_close
 
-from ._case import Case
+from ._case import Built, Case
 
 D = torch.float64
 
@@ -30,12 +31,12 @@ def _mlp() -> nn.Sequential:
 
 
 def _data(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     return torch.randn(n, 3, dtype=D, generator=g), torch.randint(0, 2, (n,), generator=g)
 
 
-def _state(model: nn.Module) -> Callable[[], Sequence[torch.Tensor]]:
-    return lambda: [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+def _state(model: Callable[[], nn.Module]) -> Callable[[], Sequence[torch.Tensor]]:
+    return lambda: [t for p in model().parameters() for t in (p, p.grad) if t is not None]
 
 
 def _dense_hessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -92,29 +93,50 @@ def _diagonal_after_step() -> None:
 def _eigenvalues_after_add_no_grad() -> None:
     model, (x, y) = _mlp(), _data()
     H = Hessian(model, F.cross_entropy, (x, y))
-    eigenvalues(H, k=1, generator=torch.Generator().manual_seed(0))
+    eigenvalues(H, k=1, generator=torch.Generator(torch.get_default_device()).manual_seed(0))
     with torch.no_grad():
         model[2].weight.add_(1.0)
     want = torch.linalg.eigvalsh(_dense_hessian(model, x, y))[-1:]
-    got = eigenvalues(H, k=1, generator=torch.Generator().manual_seed(0))
+    got = eigenvalues(H, k=1, generator=torch.Generator(torch.get_default_device()).manual_seed(0))
     assert_close(got, want, rtol=1e-7, atol=1e-9)
 
 
-_REPLACED = _mlp()
-_REPLACED_OP = Hessian(_REPLACED, F.cross_entropy, _data())
-_REPLACED[0].bias = nn.Parameter(torch.zeros(4, dtype=D))
+@cache
+def _replaced() -> Built:
+    """A model whose first bias was replaced after its operator was built."""
+    model = _mlp()
+    op = Hessian(model, F.cross_entropy, _data())
+    model[0].bias = nn.Parameter(torch.zeros(4, dtype=D))
+    return Built(model, op)
 
-_CAPTURED = torch.ones(2, dtype=D, requires_grad=True)
-_CAPTURING = _mlp()
-_CAPTURING_OP = Hessian(_CAPTURING, lambda o, t: F.cross_entropy(o * _CAPTURED, t), _data())
-with torch.no_grad():
-    _CAPTURED.mul_(2.0)
 
-_M = _mlp()
-_H = Hessian(_M, F.cross_entropy, _data())
-_P = _H.shape[0]
+@cache
+def _capturing() -> Built:
+    """An operator whose loss captures a tensor that was modified after it was built."""
+    captured = torch.ones(2, dtype=D, requires_grad=True)
+    model = _mlp()
+    op = Hessian(model, lambda o, t: F.cross_entropy(o * captured, t), _data())
+    with torch.no_grad():
+        captured.mul_(2.0)
+    return Built(model, op)
+
+
+def _times_ones(op: Hessian) -> torch.Tensor:
+    return op @ torch.ones(op.shape[0], dtype=D)
+
+
+@cache
+def _m() -> nn.Sequential:
+    return _mlp()
+
+
+@cache
+def _h() -> Hessian:
+    return Hessian(_m(), F.cross_entropy, _data())
+
+
+_P = 3 * 4 + 4 + 4 * 2 + 2  # the parameters of _mlp()
 _META = nn.Linear(3, 2, device="meta")
-_NAN = torch.full((3, 3), float("nan"), dtype=D)
 
 
 def _x(n: int = 5) -> torch.Tensor:
@@ -128,66 +150,66 @@ ROWS: list[Case] = [
     Case("curvature.eigenvalues.after_add_under_no_grad", _eigenvalues_after_add_no_grad),
     Case(
         "curvature.Hessian.replaced_parameter",
-        lambda: _REPLACED_OP @ torch.ones(_REPLACED_OP.shape[0], dtype=D),
+        lambda: _times_ones(_replaced().op),
         GradkitError,
         ("Hessian(Sequential)", "'0.bias'", "replaced", "build a new operator"),
-        _state(_REPLACED),
+        _state(lambda: _replaced().model),
     ),
     Case(
         "curvature.Hessian.tensor_captured_by_loss_modified",
-        lambda: _CAPTURING_OP @ torch.ones(_CAPTURING_OP.shape[0], dtype=D),
+        lambda: _times_ones(_capturing().op),
         GradkitError,
         ("@ v", "captured by loss_fn", "modified", "build a new operator"),
-        _state(_CAPTURING),
+        _state(lambda: _capturing().model),
     ),
     Case(
         "curvature.Hessian.empty_batch",
-        lambda: Hessian(_M, F.cross_entropy, (_x()[:0], _data()[1][:0])),
+        lambda: Hessian(_m(), F.cross_entropy, (_x()[:0], _data()[1][:0])),
         ValueError,
         ("Hessian(Sequential)", "data", "0 examples", "at least one example"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "curvature.GGN.empty_batch_in_list",
-        lambda: GGN(_M, F.cross_entropy, [_data(), (_x()[:0], _data()[1][:0])]),
+        lambda: GGN(_m(), F.cross_entropy, [_data(), (_x()[:0], _data()[1][:0])]),
         ValueError,
         ("GGN(Sequential)", "data[1]", "0 examples", "drop empty batches"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "curvature.Hessian.empty_list",
-        lambda: Hessian(_M, F.cross_entropy, []),
+        lambda: Hessian(_m(), F.cross_entropy, []),
         ValueError,
         ("data", "at least one batch", "empty list"),
     ),
     Case(
         "curvature.Hessian.targets_rows_mismatch",
-        lambda: Hessian(_M, F.cross_entropy, (_x(), _data()[1][:3])),
+        lambda: Hessian(_m(), F.cross_entropy, (_x(), _data()[1][:3])),
         ValueError,
         ("data", "targets with 5 rows", "got Tensor(shape=(3,)"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "curvature.Hessian.model_is_a_list",
-        lambda: Hessian([_M], F.cross_entropy, _data()),  # type: ignore[arg-type]
+        lambda: Hessian([_m()], F.cross_entropy, _data()),  # type: ignore[arg-type]
         TypeError,
         ("Hessian(list)", "model", "torch.nn.Module"),
     ),
     Case(
         "curvature.Hessian.params_is_an_int",
-        lambda: Hessian(_M, F.cross_entropy, _data(), params=3),  # type: ignore[arg-type]
+        lambda: Hessian(_m(), F.cross_entropy, _data(), params=3),  # type: ignore[arg-type]
         TypeError,
         ("params", "a parameter name or a list of names", "got 3"),
     ),
     Case(
         "curvature.Hessian.chunk_size_zero",
-        lambda: Hessian(_M, F.cross_entropy, _data(), chunk_size=0),
+        lambda: Hessian(_m(), F.cross_entropy, _data(), chunk_size=0),
         ValueError,
         ("chunk_size", "int >= 1", "got 0"),
     ),
     Case(
         "curvature.GGN.vectorize_string",
-        lambda: GGN(_M, F.cross_entropy, _data(), vectorize="no"),  # type: ignore[arg-type]
+        lambda: GGN(_m(), F.cross_entropy, _data(), vectorize="no"),  # type: ignore[arg-type]
         TypeError,
         ("vectorize", "a bool or None", "'no'"),
     ),
@@ -199,28 +221,28 @@ ROWS: list[Case] = [
     ),
     Case(
         "curvature.Hessian.data_on_another_device",
-        lambda: Hessian(_M, F.cross_entropy, (_x().to("meta"), _data()[1].to("meta"))),
+        lambda: Hessian(_m(), F.cross_entropy, (_x().to("meta"), _data()[1].to("meta"))),
         ValueError,
-        ("data inputs[0]", "device", "cpu", "meta", ".to('cpu')"),
-        _state(_M),
+        ("data inputs[0]", "device", "{device}", "meta", ".to('{device}')"),
+        _state(_m),
     ),
     Case(
         "curvature.Hessian.data_of_another_dtype",
-        lambda: Hessian(_M, F.cross_entropy, (_x().float(), _data()[1])),
+        lambda: Hessian(_m(), F.cross_entropy, (_x().float(), _data()[1])),
         TypeError,
         ("data inputs[0]", "torch.float64", "float32", ".to(torch.float64)"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "curvature.trace.probes_zero",
-        lambda: trace(_H, probes=0),
+        lambda: trace(_h(), probes=0),
         ValueError,
         ("trace(Hessian(Sequential)", "probes", ">= 5", "got 0"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "curvature.trace.probes_string",
-        lambda: trace(_H, probes="10"),  # type: ignore[arg-type]
+        lambda: trace(_h(), probes="10"),  # type: ignore[arg-type]
         TypeError,
         ("probes", "an int", "'10'"),
     ),
@@ -232,19 +254,19 @@ ROWS: list[Case] = [
     ),
     Case(
         "curvature.eigenvalues.k_zero",
-        lambda: eigenvalues(_H, k=0),
+        lambda: eigenvalues(_h(), k=0),
         ValueError,
         ("eigenvalues(Hessian(Sequential))", "k", f"[1, {_P}]", "got 0"),
     ),
     Case(
         "curvature.eigenvalues.max_iter_zero",
-        lambda: eigenvalues(_H, k=1, max_iter=0),
+        lambda: eigenvalues(_h(), k=1, max_iter=0),
         ValueError,
         ("max_iter", "at least k (1)", "got 0"),
     ),
     Case(
         "curvature.eigenvalues.tol_string",
-        lambda: eigenvalues(_H, k=1, tol="1e-3"),  # type: ignore[arg-type]
+        lambda: eigenvalues(_h(), k=1, tol="1e-3"),  # type: ignore[arg-type]
         TypeError,
         ("tol", "finite number", "'1e-3'"),
     ),
@@ -256,50 +278,50 @@ ROWS: list[Case] = [
     ),
     Case(
         "curvature.eigenvalues.nan_operator",
-        lambda: eigenvalues(_NAN, k=1),
+        lambda: eigenvalues(torch.full((3, 3), float("nan"), dtype=D), k=1),
         GradkitError,
         ("eigenvalues(Tensor)", "nan or inf", "not finite"),
     ),
     Case(
         "curvature.spectral_density.width_zero",
-        lambda: spectral_density(_H, probes=1, steps=3, width=0.0),
+        lambda: spectral_density(_h(), probes=1, steps=3, width=0.0),
         ValueError,
         ("spectral_density(Hessian(Sequential))", "width", "> 0", "0.0"),
     ),
     Case(
         "curvature.spectral_density.grid_string",
-        lambda: spectral_density(_H, probes=1, steps=3, grid="100"),  # type: ignore[arg-type]
+        lambda: spectral_density(_h(), probes=1, steps=3, grid="100"),  # type: ignore[arg-type]
         TypeError,
         ("grid", "int >= 2", "'100'"),
     ),
     Case(
         "curvature.diagonal.max_size_string",
-        lambda: diagonal(_H, max_size="10"),  # type: ignore[arg-type]
+        lambda: diagonal(_h(), max_size="10"),  # type: ignore[arg-type]
         TypeError,
         ("diagonal(Hessian(Sequential)", "max_size", "'10'"),
     ),
     Case(
         "curvature.diagonal.max_memory_negative",
-        lambda: diagonal(GGN(_M, F.cross_entropy, _data()), max_memory=-1),
+        lambda: diagonal(GGN(_m(), F.cross_entropy, _data()), max_memory=-1),
         ValueError,
         ("diagonal(GGN(Sequential)", "max_memory", "int >= 1", "-1"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "curvature.dense.chunk_zero",
-        lambda: _H.dense(chunk=0),
+        lambda: _h().dense(chunk=0),
         ValueError,
         ("Hessian(Sequential).dense()", "chunk", "got 0"),
     ),
     Case(
         "curvature.matmul.meta_vector",
-        lambda: _H @ torch.ones(_P, device="meta"),
+        lambda: _h() @ torch.ones(_P, device="meta"),
         ValueError,
-        ("Hessian(Sequential) @ v", "meta device", "create v on cpu"),
+        ("Hessian(Sequential) @ v", "meta device", "create v on {device}"),
     ),
     Case(
         "curvature.check_deterministic.rtol_string",
-        lambda: _H.check_deterministic(rtol="tight"),  # type: ignore[arg-type]
+        lambda: _h().check_deterministic(rtol="tight"),  # type: ignore[arg-type]
         TypeError,
         ("check_deterministic()", "rtol", "finite number > 0", "'tight'"),
     ),

@@ -6,6 +6,7 @@ rows that must succeed compare with plain autograd or the full Jacobian."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from gradkit.func import (
 )
 from gradkit.testing import assert_close
 
-from ._case import Case
+from ._case import Built, Case
 
 D = torch.float64
 
@@ -47,13 +48,13 @@ def _mlp() -> nn.Sequential:
 
 
 def _batch(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     return torch.randn(n, 3, dtype=D, generator=g), torch.randint(0, 2, (n,), generator=g)
 
 
-def _state(*modules: nn.Module) -> Callable[[], Sequence[torch.Tensor]]:
+def _state(*modules: Callable[[], nn.Module]) -> Callable[[], Sequence[torch.Tensor]]:
     return lambda: [
-        t for m in modules for p in m.parameters() for t in (p, p.grad) if t is not None
+        t for m in modules for p in m().parameters() for t in (p, p.grad) if t is not None
     ]
 
 
@@ -66,12 +67,29 @@ def _row_wise_matches_the_full_jacobian() -> None:
     assert_close(batch_jacobian(model, x), torch.stack([full[i, :, i] for i in range(5)]))
 
 
-_BN = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(D)
+@cache
+def _bn() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(D)
 
 
 # -- custom_gradient: captured tensors ---------------------------------------------------------
+# The functions below capture the layer _LIN as a global (found among the globals their code
+# names, and named so in messages); _lin() builds it on first use.
 
-_LIN = _mlp()[0]
+_LIN: nn.Linear
+
+
+def _lin() -> nn.Linear:
+    global _LIN
+    if "_LIN" not in globals():
+        _LIN = _mlp()[0]
+    return _LIN
+
+
+def _lin_input() -> torch.Tensor:
+    """An input for the functions below, once the layer they capture is built."""
+    _lin()
+    return _batch()[0]
 
 
 @custom_gradient
@@ -96,7 +114,7 @@ def _one_variable_gradient(t: torch.Tensor) -> tuple[torch.Tensor, Callable[...,
 
 
 def _captured_weight_gets_its_gradient() -> None:
-    x = _batch()[0].requires_grad_(True)
+    x = _lin_input().requires_grad_(True)
     got = gradients(_with_variables(x).sum(), [x, _LIN.weight, _LIN.bias])
     ref = torch.autograd.grad(torch.tanh(_LIN(x)).sum(), [x, _LIN.weight, _LIN.bias])
     assert_close(got, list(ref))
@@ -104,27 +122,56 @@ def _captured_weight_gets_its_gradient() -> None:
 
 # -- HVP operators after the point changed ------------------------------------------------------
 
-_STEPPED = _mlp()
-_STEPPED_OP = module_hvp_operator(_STEPPED, F.cross_entropy, _batch())
-_opt = torch.optim.SGD(_STEPPED.parameters(), lr=0.5)
-_opt.step()  # the accumulated gradients of _mlp(): a real in-place step
 
-_EDITED = _mlp()
-_EDITED_OP = module_hvp_operator(_EDITED, F.cross_entropy, _batch())
-_EDITED[2].bias.data.add_(1.0)  # no version counter sees this
+@cache
+def _stepped() -> Built:
+    """An operator whose model took an optimizer step after it was built."""
+    model = _mlp()
+    op = module_hvp_operator(model, F.cross_entropy, _batch())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt.step()  # the accumulated gradients of _mlp(): a real in-place step
+    return Built(model, op)
 
-_FROZEN = _mlp()
-_FROZEN[0].weight.requires_grad_(False)
 
-_M = _mlp()
-_A = torch.ones(3, requires_grad=True)
-_NO_GRAD = torch.ones(3)
+@cache
+def _edited() -> Built:
+    """An operator whose model's bias was edited through ``.data`` after it was built."""
+    model = _mlp()
+    op = module_hvp_operator(model, F.cross_entropy, _batch())
+    model[2].bias.data.add_(1.0)  # no version counter sees this
+    return Built(model, op)
+
+
+def _times_ones(op: Any) -> torch.Tensor:
+    return op @ torch.ones(op.shape[0], dtype=D)
+
+
+@cache
+def _frozen() -> nn.Sequential:
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    return model
+
+
+@cache
+def _m() -> nn.Sequential:
+    return _mlp()
+
+
+@cache
+def _a() -> torch.Tensor:
+    return torch.ones(3, requires_grad=True)
+
+
+@cache
+def _no_grad() -> torch.Tensor:
+    return torch.ones(3)
 
 
 def _freed_graph() -> None:
-    y = (_A.exp()).sum()
+    y = (_a().exp()).sum()
     y.backward()
-    gradients(y, [_A])
+    gradients(y, [_a()])
 
 
 ROWS: list[Case] = [
@@ -148,10 +195,10 @@ ROWS: list[Case] = [
     ),
     Case(
         "func.batch_jacobian.batch_norm_module_train",
-        lambda: batch_jacobian(_BN, _batch()[0]),
+        lambda: batch_jacobian(_bn(), _batch()[0]),
         GradkitError,
         ("batch_jacobian(Sequential)", "in place", "model.eval()"),
-        _state(_BN),
+        _state(_bn),
     ),
     Case("func.batch_jacobian.row_wise_matches_full", _row_wise_matches_the_full_jacobian),
     Case(
@@ -162,18 +209,18 @@ ROWS: list[Case] = [
     ),
     Case(
         "func.custom_gradient.captured_weight_without_variables",
-        lambda: _no_variables(_batch()[0]),
+        lambda: _no_variables(_lin_input()),
         TypeError,
         ("custom_gradient(_no_variables)", "grad_fn", "variables", "_LIN.weight", "_LIN.bias"),
-        _state(_LIN),
+        _state(_lin),
     ),
     Case("func.custom_gradient.captured_weight_gradient", _captured_weight_gets_its_gradient),
     Case(
         "func.custom_gradient.variable_gradient_count",
-        lambda: _one_variable_gradient(_batch()[0]).sum().backward(),
+        lambda: _one_variable_gradient(_lin_input()).sum().backward(),
         ValueError,
         ("custom_gradient(_one_variable_gradient)", "2 variable gradient(s)", "got 1"),
-        _state(_LIN),
+        _state(_lin),
     ),
     Case(
         "func.custom_gradient.not_callable",
@@ -183,21 +230,21 @@ ROWS: list[Case] = [
     ),
     Case(
         "func.gradients.x_without_requires_grad",
-        lambda: gradients((_A * _NO_GRAD).sum(), [_NO_GRAD]),
+        lambda: gradients((_a() * _no_grad()).sum(), [_no_grad()]),
         ValueError,
         ("gradients(ys, xs)", "xs[0]", "requires grad", "requires_grad_()"),
     ),
     Case(
         "func.gradients.grad_ys_dtype",
-        lambda: gradients(_A * 2, [_A], [torch.ones(3, dtype=D)]),
+        lambda: gradients(_a() * 2, [_a()], [torch.ones(3, dtype=D)]),
         TypeError,
         ("grad_ys[0]", "dtype torch.float32", "float64"),
     ),
     Case(
         "func.gradients.grad_ys_on_meta",
-        lambda: gradients(_A * 2, [_A], [torch.ones(3, device="meta")]),
+        lambda: gradients(_a() * 2, [_a()], [torch.ones(3, device="meta")]),
         ValueError,
-        ("grad_ys[0]", "a tensor on cpu", "meta"),
+        ("grad_ys[0]", "a tensor on {device}", "meta"),
     ),
     Case(
         "func.gradients.freed_graph",
@@ -207,19 +254,19 @@ ROWS: list[Case] = [
     ),
     Case(
         "func.gradients.create_graph_string",
-        lambda: gradients(_A.sum(), [_A], create_graph="yes"),  # type: ignore[arg-type]
+        lambda: gradients(_a().sum(), [_a()], create_graph="yes"),  # type: ignore[arg-type]
         TypeError,
         ("create_graph", "a bool", "'yes'"),
     ),
     Case(
         "func.hessians.chunk_size_zero",
-        lambda: hessians((_A**3).sum(), _A, chunk_size=0),
+        lambda: hessians((_a() ** 3).sum(), _a(), chunk_size=0),
         ValueError,
         ("hessians(ys, xs)", "chunk_size", "got 0"),
     ),
     Case(
         "func.hessians.x_without_requires_grad",
-        lambda: hessians((_A * _NO_GRAD).sum(), _NO_GRAD),
+        lambda: hessians((_a() * _no_grad()).sum(), _no_grad()),
         ValueError,
         ("hessians(ys, xs)", "xs[0]", "requires grad"),
     ),
@@ -237,10 +284,10 @@ ROWS: list[Case] = [
     ),
     Case(
         "func.jacobian.batch_norm_module_train",
-        lambda: jacobian(_BN, _batch()[0]),
+        lambda: jacobian(_bn(), _batch()[0]),
         GradkitError,
         ("jacobian(Sequential)", "captured tensor in place", "model.eval()"),
-        _state(_BN),
+        _state(_bn),
     ),
     Case(
         "func.jvp.tangent_dtype",
@@ -274,48 +321,48 @@ ROWS: list[Case] = [
     ),
     Case(
         "func.module_hvp_operator.after_optimizer_step",
-        lambda: _STEPPED_OP @ torch.ones(_STEPPED_OP.shape[0], dtype=D),
+        lambda: _times_ones(_stepped().op),
         GradkitError,
         ("module_hvp_operator(Sequential) @ v", "other values", "version", "build a new"),
-        _state(_STEPPED),
+        _state(lambda: _stepped().model),
     ),
     Case(
         "func.module_hvp_operator.after_p_data_edit",
-        lambda: _EDITED_OP.to_dense(),
+        lambda: _edited().op.to_dense(),
         GradkitError,
         ("'2.bias'", "other values", "gradkit.curvature.Hessian"),
-        _state(_EDITED),
+        _state(lambda: _edited().model),
     ),
     Case(
         "func.module_grad.frozen_parameter_named",
-        lambda: module_grad(_FROZEN, F.cross_entropy, _batch(), params=["0.weight"]),
+        lambda: module_grad(_frozen(), F.cross_entropy, _batch(), params=["0.weight"]),
         ValueError,
         ("module_value_and_grad(Sequential)", "params", "frozen ['0.weight']"),
-        _state(_FROZEN),
+        _state(_frozen),
     ),
     Case(
         "func.module_grad.empty_batch",
-        lambda: module_grad(_M, F.cross_entropy, (_batch()[0][:0], _batch()[1][:0])),
+        lambda: module_grad(_m(), F.cross_entropy, (_batch()[0][:0], _batch()[1][:0])),
         ValueError,
         ("module_value_and_grad(Sequential)", "batch", "at least one example"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "func.module_grad.loss_fn_string",
-        lambda: module_grad(_M, "cross_entropy", _batch()),  # type: ignore[arg-type]
+        lambda: module_grad(_m(), "cross_entropy", _batch()),  # type: ignore[arg-type]
         TypeError,
         ("loss_fn", "callable", "'cross_entropy'"),
-        _state(_M),
+        _state(_m),
     ),
     Case(
         "func.module_hessian.flat_string",
-        lambda: module_hessian(_M, F.cross_entropy, _batch(), flat="yes"),  # type: ignore[call-overload]
+        lambda: module_hessian(_m(), F.cross_entropy, _batch(), flat="yes"),  # type: ignore[call-overload]
         TypeError,
         ("module_hessian(Sequential)", "flat", "'yes'"),
     ),
     Case(
         "func.module_jacobian.mode_unknown",
-        lambda: module_jacobian(_M, _batch()[0], mode="fwd"),
+        lambda: module_jacobian(_m(), _batch()[0], mode="fwd"),
         ValueError,
         ("module_jacobian(Sequential)", "mode", "'fwd'"),
     ),

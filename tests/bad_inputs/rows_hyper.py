@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from functools import cache
 from typing import Any
 
 import torch
@@ -18,11 +19,37 @@ from gradkit.hyper._implicit import NotStationaryWarning
 from ._case import Case
 
 D = torch.float64
-_gen = torch.Generator().manual_seed(0)
-X, Y = torch.randn(12, 3, generator=_gen, dtype=D), torch.randn(12, generator=_gen, dtype=D)
-LR = torch.tensor(0.1, dtype=D)
-L2 = torch.tensor(0.05, dtype=D)
-P0 = {"w": torch.zeros(3, dtype=D)}
+
+
+@cache
+def _xy() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    return torch.randn(12, 3, generator=gen, dtype=D), torch.randn(12, generator=gen, dtype=D)
+
+
+def _x() -> torch.Tensor:
+    return _xy()[0]
+
+
+def _y() -> torch.Tensor:
+    return _xy()[1]
+
+
+# the hyperparameters and initial weights: the same tensors in every call and every row
+@cache
+def _lr() -> torch.Tensor:
+    return torch.tensor(0.1, dtype=D)
+
+
+@cache
+def _l2() -> torch.Tensor:
+    return torch.tensor(0.05, dtype=D)
+
+
+@cache
+def _p0() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(3, dtype=D)}
+
 
 REV = "reverse(inner_loss, outer_loss, params0, opt)"
 FWD = "forward(inner_loss, outer_loss, params0, opt)"
@@ -31,30 +58,31 @@ IMP = "implicit(inner_loss, outer_loss, params_star, hyper)"
 
 
 def inner(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
-    return ((X @ p["w"] - Y) ** 2).mean() + L2 * (p["w"] ** 2).sum()
+    return ((_x() @ p["w"] - _y()) ** 2).mean() + _l2() * (p["w"] ** 2).sum()
 
 
 def outer(p: dict[str, torch.Tensor]) -> torch.Tensor:
-    return ((X[:4] @ p["w"] - Y[:4]) ** 2).mean()
+    return ((_x()[:4] @ p["w"] - _y()[:4]) ** 2).mean()
 
 
 def _kept() -> list[torch.Tensor]:
-    return [LR, L2, P0["w"]]
+    return [_lr(), _l2(), _p0()["w"]]
 
 
 def _engine(engine: Any, **over: Any) -> Any:
-    kw: dict[str, Any] = {"steps": 3, "hyper": {"lr": LR, "l2": L2}}
+    kw: dict[str, Any] = {"steps": 3, "hyper": {"lr": _lr(), "l2": _l2()}}
     kw.update(over)
-    return engine(inner, outer, P0, optim.sgd(lr=LR), **kw)
+    return engine(inner, outer, _p0(), optim.sgd(lr=_lr()), **kw)
 
 
 def _optimum() -> dict[str, torch.Tensor]:
-    A = 2 * X.T @ X / 12 + 2 * L2 * torch.eye(3, dtype=D)
+    X, Y = _xy()
+    A = 2 * X.T @ X / 12 + 2 * _l2() * torch.eye(3, dtype=D)
     return {"w": torch.linalg.solve(A, 2 * X.T @ Y / 12)}
 
 
 def _implicit(**options: Any) -> Any:
-    return hyper.implicit(inner, outer, _optimum(), {"l2": L2}, **options)
+    return hyper.implicit(inner, outer, _optimum(), {"l2": _l2()}, **options)
 
 
 def _not_stationary_warns() -> None:
@@ -63,7 +91,7 @@ def _not_stationary_warns() -> None:
     (oracle,) = torch.autograd.grad(inner({"w": leaf}, None), leaf)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = hyper.implicit(inner, outer, point, {"l2": L2}, full_output=True)
+        res = hyper.implicit(inner, outer, point, {"l2": _l2()}, full_output=True)
     assert any(issubclass(w.category, NotStationaryWarning) for w in caught), caught
     assert "not a stationary point" in str(caught[0].message)
     torch.testing.assert_close(res.inner_grad_norm, oracle.norm(), rtol=1e-12, atol=0)
@@ -72,14 +100,14 @@ def _not_stationary_warns() -> None:
 def _stationary_is_silent() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        res = hyper.implicit(inner, outer, _optimum(), {"l2": L2}, full_output=True)
+        res = hyper.implicit(inner, outer, _optimum(), {"l2": _l2()}, full_output=True)
     assert float(res.inner_grad_norm) < 1e-12
 
 
 def _hopt(**over: Any) -> hyper.HyperOptimizer:
     kw: dict[str, Any] = {"steps": 3}
     kw.update(over)
-    return hyper.HyperOptimizer(inner, outer, P0, optim.sgd(lr=LR), {"l2": L2}, **kw)
+    return hyper.HyperOptimizer(inner, outer, _p0(), optim.sgd(lr=_lr()), {"l2": _l2()}, **kw)
 
 
 def _late_parameter_follows_torch() -> None:
@@ -87,21 +115,21 @@ def _late_parameter_follows_torch() -> None:
     p0 = {"w": torch.zeros(3, dtype=D), "b": torch.zeros((), dtype=D)}
 
     def late(p: dict[str, torch.Tensor], t: int) -> torch.Tensor:
-        z = X @ p["w"] + (p["b"] if t >= 2 else 0.0)
-        return ((z - Y) ** 2).mean()
+        z = _x() @ p["w"] + (p["b"] if t >= 2 else 0.0)
+        return ((z - _y()) ** 2).mean()
 
     res = hyper.reverse(
         late,
-        lambda p: ((X @ p["w"] + p["b"] - Y) ** 2).mean(),
+        lambda p: ((_x() @ p["w"] + p["b"] - _y()) ** 2).mean(),
         p0,
-        optim.adam(lr=LR),
+        optim.adam(lr=_lr()),
         steps=5,
-        hyper={"lr": LR},
+        hyper={"lr": _lr()},
         batches=lambda t: t,
         full_output=True,
     )
     net = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
-    reference = torch.optim.Adam(list(net.values()), lr=float(LR), foreach=False)
+    reference = torch.optim.Adam(list(net.values()), lr=float(_lr()), foreach=False)
     for t in range(5):
         reference.zero_grad(set_to_none=True)
         late(net, t).backward()
@@ -182,7 +210,7 @@ ROWS = [
     Case(
         id="hyper.reverse.torch_optimizer",
         run=lambda: hyper.reverse(
-            inner, outer, P0, torch.optim.SGD([LR], lr=0.1), steps=2, hyper={"l2": L2}
+            inner, outer, _p0(), torch.optim.SGD([_lr()], lr=0.1), steps=2, hyper={"l2": _l2()}
         ),
         raises=TypeError,
         words=(REV, "opt: expected a gradkit.optim optimizer", "torch.optim.sgd.SGD"),
@@ -190,12 +218,12 @@ ROWS = [
     Case(
         id="hyper.reverse.inner_loss_without_gradient",
         run=lambda: hyper.reverse(
-            lambda p, b: ((X @ p["w"].detach() - Y) ** 2).mean() + L2,
+            lambda p, b: ((_x() @ p["w"].detach() - _y()) ** 2).mean() + _l2(),
             outer,
-            P0,
-            optim.sgd(lr=LR),
+            _p0(),
+            optim.sgd(lr=_lr()),
             steps=2,
-            hyper={"l2": L2},
+            hyper={"l2": _l2()},
         ),
         raises=ValueError,
         words=(REV, "inner_loss", "depends on the parameters", "no gradient for any parameter"),
@@ -205,12 +233,12 @@ ROWS = [
     Case(
         id="hyper.reverse.batches_not_replayable",
         run=lambda: hyper.reverse(
-            lambda p, b: ((X[b:] @ p["w"] - Y[b:]) ** 2).mean(),
+            lambda p, b: ((_x()[b:] @ p["w"] - _y()[b:]) ** 2).mean(),
             outer,
-            P0,
-            optim.sgd(lr=LR),
+            _p0(),
+            optim.sgd(lr=_lr()),
             steps=4,
-            hyper={"lr": LR},
+            hyper={"lr": _lr()},
             batches=_fresh_batches(),
             memory_budget=None,  # states stored and replayed (kept graphs replay nothing)
         ),
@@ -220,7 +248,7 @@ ROWS = [
     ),
     Case(
         id="hyper.implicit.optimizer_hyperparameter_listed",
-        run=lambda: hyper.implicit(inner, outer, _optimum(), {"l2": L2, "lr": LR}),
+        run=lambda: hyper.implicit(inner, outer, _optimum(), {"l2": _l2(), "lr": _lr()}),
         raises=ValueError,
         words=(IMP, "hyper['lr']", "inner_loss or outer_loss", "do not move"),
         unchanged=_kept,

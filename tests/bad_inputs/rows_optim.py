@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -16,12 +17,21 @@ from gradkit.optim import adam, adamw, apply_updates, rmsprop, sgd, state_layout
 from ._case import Case
 
 D = torch.float64
-P = {"w": torch.ones(2, 3, dtype=D), "b": torch.zeros(3, dtype=D)}
-G = {"w": torch.full((2, 3), 0.5, dtype=D), "b": torch.ones(3, dtype=D)}
+
+
+# the parameters and their gradients: the same tensors in every call and every row
+@cache
+def _params() -> dict[str, torch.Tensor]:
+    return {"w": torch.ones(2, 3, dtype=D), "b": torch.zeros(3, dtype=D)}
+
+
+@cache
+def _grads() -> dict[str, torch.Tensor]:
+    return {"w": torch.full((2, 3), 0.5, dtype=D), "b": torch.ones(3, dtype=D)}
 
 
 def _state_tensors(state: Any) -> list[torch.Tensor]:
-    out = list(P.values())
+    out = list(_params().values())
     for f in state._fields:
         value = getattr(state, f)
         if isinstance(value, dict):
@@ -42,7 +52,7 @@ def _update_row(
     def fixture() -> tuple[Any, Any]:
         if not box:
             opt = make()
-            _, state = opt.update(G, opt.init(P), P)
+            _, state = opt.update(_grads(), opt.init(_params()), _params())
             box["opt"], box["state"] = opt, state
         return box["opt"], box["state"]
 
@@ -63,7 +73,7 @@ def _torch_trajectory(
 ) -> None:
     """Train ``{"a", "b"}`` with parameter ``name`` given a gradient at step ``t`` only when
     ``used(name, t)``; gradkit must follow torch.optim step for step."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     start = {n: torch.randn(3, generator=gen, dtype=D) for n in ("a", "b")}
     net = {n: torch.nn.Parameter(v.clone()) for n, v in start.items()}
     reference = torch_opt(list(net.values()))
@@ -91,9 +101,9 @@ def _late(name: str, t: int) -> bool:
 def _requires_grad_lr() -> None:
     lr = torch.tensor(0.1, dtype=D, requires_grad=True)
     opt = sgd(lr=lr, momentum=0.9)
-    new, _ = opt.update(G, opt.init(P), P)
+    new, _ = opt.update(_grads(), opt.init(_params()), _params())
     (g,) = torch.autograd.grad(new["w"].sum(), lr)
-    assert torch.equal(g, -G["w"].sum())  # d(w - lr g)/d lr = -g on the first step
+    assert torch.equal(g, -_grads()["w"].sum())  # d(w - lr g)/d lr = -g on the first step
 
 
 def _groups_momentum_zero() -> None:
@@ -197,14 +207,14 @@ ROWS = [
     _update_row(
         "optim.sgd.update_grad_dtype",
         lambda: sgd(0.1, momentum=0.9),
-        lambda o, s: o.update({"w": G["w"].float(), "b": G["b"]}, s, P),
+        lambda o, s: o.update({"w": _grads()["w"].float(), "b": _grads()["b"]}, s, _params()),
         ValueError,
         ("sgd.update: grads['w']", "dtype torch.float64", "torch.float32"),
     ),
     _update_row(
         "optim.sgd.update_int_params",
         lambda: sgd(0.1),
-        lambda o, s: o.update(G, s, {"w": P["w"].long(), "b": P["b"]}),
+        lambda o, s: o.update(_grads(), s, {"w": _params()["w"].long(), "b": _params()["b"]}),
         TypeError,
         ("sgd.update: params['w']", "floating-point", "int64"),
     ),
@@ -212,7 +222,9 @@ ROWS = [
         "optim.adam.update_state_other_shapes",
         lambda: adam(0.1),
         lambda o, s: o.update(
-            G, s._replace(exp_avg={"w": torch.zeros(3, dtype=D), "b": P["b"]}), P
+            _grads(),
+            s._replace(exp_avg={"w": torch.zeros(3, dtype=D), "b": _params()["b"]}),
+            _params(),
         ),
         ValueError,
         ("adam.update: state.exp_avg['w']", "like its parameter", "shape=(3,)"),
@@ -220,39 +232,39 @@ ROWS = [
     _update_row(
         "optim.adam.update_counts_above_step",
         lambda: adam(0.1),
-        lambda o, s: o.update(G, s._replace(counts={"w": 5, "b": 1}), P),
+        lambda o, s: o.update(_grads(), s._replace(counts={"w": 5, "b": 1}), _params()),
         ValueError,
         ("adam.update: state.counts['w']", "[0, state.step=1]", "5"),
     ),
     Case(
         id="optim.sgd.update_mask_shape",
         run=lambda: sgd(0.1, mask={"w": torch.ones(3, dtype=torch.bool), "b": None}).update(
-            G, sgd(0.1).init(P), P
+            _grads(), sgd(0.1).init(_params()), _params()
         ),
         raises=ValueError,
         words=("sgd.update: mask['w']", "shape (2, 3)", "shape=(3,)"),
-        unchanged=lambda: list(P.values()),
+        unchanged=lambda: list(_params().values()),
     ),
     _update_row(
         "optim.sgd.update_return_delta_string",
         lambda: sgd(0.1),
-        lambda o, s: o.update(G, s, P, return_delta="yes"),
+        lambda o, s: o.update(_grads(), s, _params(), return_delta="yes"),
         TypeError,
         ("sgd.update: return_delta", "a bool", "'yes'"),
     ),
     _update_row(
         "optim.adam.update_betas_override_string",
         lambda: adam(0.1),
-        lambda o, s: o.update(G, s, P, betas="ab"),
+        lambda o, s: o.update(_grads(), s, _params(), betas="ab"),
         TypeError,
         ("adam.update: betas", "a pair", "'ab'"),
     ),
     Case(
         id="optim.apply_updates.delta_shape",
-        run=lambda: apply_updates(P, {"w": torch.ones(1, dtype=D), "b": P["b"]}),
+        run=lambda: apply_updates(_params(), {"w": torch.ones(1, dtype=D), "b": _params()["b"]}),
         raises=ValueError,
         words=("apply_updates(params, delta): delta['w']", "shape (2, 3)", "shape=(1,)"),
-        unchanged=lambda: list(P.values()),
+        unchanged=lambda: list(_params().values()),
     ),
     Case(
         id="optim.state_layout.slot_shape",
@@ -262,7 +274,9 @@ ROWS = [
     ),
     Case(
         id="optim.StateLayout.unflatten_step_negative",
-        run=lambda: state_layout(P, sgd(0.1).init(P)).unflatten(torch.zeros(9, dtype=D), step=-1),
+        run=lambda: state_layout(_params(), sgd(0.1).init(_params())).unflatten(
+            torch.zeros(9, dtype=D), step=-1
+        ),
         raises=ValueError,
         words=("StateLayout.unflatten: step", ">= 0", "-1"),
     ),

@@ -6,6 +6,7 @@ one-example-at-a-time loop."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import nn
 
 from gradkit import GradkitError
 from gradkit.per_example import (
+    Tracker,
     cabs_batch_size,
     gradient_snr,
     noise_scale,
@@ -32,7 +34,8 @@ def _mlp() -> nn.Module:
 
 
 def _x(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
+    return torch.randn(*shape, dtype=D, generator=gen)
 
 
 def _with_grads(model: nn.Module) -> nn.Module:
@@ -42,8 +45,8 @@ def _with_grads(model: nn.Module) -> nn.Module:
     return model
 
 
-def _state(model: nn.Module) -> Callable[[], Sequence[torch.Tensor]]:
-    return lambda: [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+def _state(model: Callable[[], nn.Module]) -> Callable[[], Sequence[torch.Tensor]]:
+    return lambda: [t for p in model().parameters() for t in (p, p.grad) if t is not None]
 
 
 def _cubic(out: torch.Tensor) -> torch.Tensor:
@@ -60,19 +63,27 @@ def _tracked(*quantities: str, n: int = 5, **kwargs):
 
 # -- failing backward passes (state must survive) --------------------------------------------
 
-_SUM_LOSS = _with_grads(_mlp())
-_MEAN_LOSS = _with_grads(_mlp())
-_LABELS = torch.tensor([0, 1, 1, 0, 1])
+
+@cache
+def _sum_loss_model() -> nn.Module:
+    return _with_grads(_mlp())
+
+
+@cache
+def _mean_loss_model() -> nn.Module:
+    return _with_grads(_mlp())
 
 
 def _sum_loss_declared_mean() -> None:
-    with track(_SUM_LOSS, "variance"):
-        F.cross_entropy(_SUM_LOSS(_x(5, 3)), _LABELS, reduction="sum").backward()
+    model, labels = _sum_loss_model(), torch.tensor([0, 1, 1, 0, 1])
+    with track(model, "variance"):
+        F.cross_entropy(model(_x(5, 3)), labels, reduction="sum").backward()
 
 
 def _mean_loss_declared_sum() -> None:
-    with track(_MEAN_LOSS, "variance", loss_reduction="sum"):
-        F.mse_loss(_MEAN_LOSS(_x(5, 3)), torch.zeros(5, 2, dtype=D)).backward()
+    model = _mean_loss_model()
+    with track(model, "variance", loss_reduction="sum"):
+        F.mse_loss(model(_x(5, 3)), torch.zeros(5, 2, dtype=D)).backward()
 
 
 class _GRUAll(nn.Module):
@@ -93,20 +104,26 @@ class _GRULast(_GRUAll):
         return self.head(self.rnn(x)[0][-1])
 
 
-_SEQ_FIRST = _with_grads(_GRUAll().double())
+@cache
+def _seq_first() -> nn.Module:
+    return _with_grads(_GRUAll().double())
 
 
 def _sequence_first_head() -> None:
-    with track(_SEQ_FIRST, "variance"):
-        _cubic(_SEQ_FIRST(_x(5, 3, 4)).transpose(0, 1)).mean().backward()
+    model = _seq_first()
+    with track(model, "variance"):
+        _cubic(model(_x(5, 3, 4)).transpose(0, 1)).mean().backward()
 
 
-_ON_FEATURES = _with_grads(nn.Linear(4, 4).double())
+@cache
+def _on_features() -> nn.Module:
+    return _with_grads(nn.Linear(4, 4).double())
 
 
 def _batch_dim_on_features() -> None:
-    with track(_ON_FEATURES, "variance", batch_dim=1):
-        _ON_FEATURES(_x(4, 4)).sum().backward()
+    model = _on_features()
+    with track(model, "variance", batch_dim=1):
+        model(_x(4, 4)).sum().backward()
 
 
 class _Rows(nn.Module):
@@ -124,25 +141,32 @@ class _Rows(nn.Module):
         return self.out(h)
 
 
-_ROWS = _with_grads(_Rows().double())
+@cache
+def _rows() -> nn.Module:
+    return _with_grads(_Rows().double())
 
 
 def _unsplittable_rows() -> None:
-    with track(_ROWS, "variance"):
-        _cubic(_ROWS(_x(3, 5, 4))).mean().backward()
+    model = _rows()
+    with track(model, "variance"):
+        _cubic(model(_x(3, 5, 4))).mean().backward()
 
 
-_LATE_FROZEN = _mlp()
-_LATE_TRACKER = track(_LATE_FROZEN, "variance")
+@cache
+def _late_frozen() -> tuple[nn.Module, Tracker]:
+    """A model, and a tracker made for it before one of its weights is frozen."""
+    model = _mlp()
+    return model, track(model, "variance")
 
 
 def _frozen_after_track() -> None:
-    _LATE_FROZEN[0].weight.requires_grad_(False)
+    model, tracker = _late_frozen()
+    model[0].weight.requires_grad_(False)
     try:
-        with _LATE_TRACKER:
-            _LATE_FROZEN(_x(2, 3)).sum().backward()
+        with tracker:
+            model(_x(2, 3)).sum().backward()
     finally:
-        _LATE_FROZEN[0].weight.requires_grad_(True)
+        model[0].weight.requires_grad_(True)
 
 
 def _nested() -> None:
@@ -303,42 +327,42 @@ ROWS = [
         _batch_dim_on_features,
         GradkitError,
         ("batch_dim=1", "model (Linear)", "features", "batch_dim=0"),
-        _state(_ON_FEATURES),
+        _state(_on_features),
     ),
     Case(
         "per_example.track.sum_loss_declared_mean",
         _sum_loss_declared_mean,
         GradkitError,
         ("loss_reduction='mean'", "NllLossBackward0 (reduction='sum')", "loss_reduction='sum'"),
-        _state(_SUM_LOSS),
+        _state(_sum_loss_model),
     ),
     Case(
         "per_example.track.mean_loss_declared_sum",
         _mean_loss_declared_sum,
         GradkitError,
         ("loss_reduction='sum'", "MseLossBackward0 (reduction='mean')", "loss_reduction='mean'"),
-        _state(_MEAN_LOSS),
+        _state(_mean_loss_model),
     ),
     Case(
         "per_example.track.sequence_first_head_on_every_step",
         _sequence_first_head,
         GradkitError,
         ("batch_dim", "head (Linear)", "(5, 3, 2)", "3 examples"),
-        _state(_SEQ_FIRST),
+        _state(_seq_first),
     ),
     Case(
         "per_example.track.rows_of_every_step_merged",
         _unsplittable_rows,
         GradkitError,
         ("rows (Linear)", "(15, 4)", "[T * N, d]", "requires_grad_(False)"),
-        _state(_ROWS),
+        _state(_rows),
     ),
     Case(
         "per_example.track.frozen_after_track",
         _frozen_after_track,
         GradkitError,
         ("'0.weight'", "requires_grad=False", "before calling track()"),
-        _state(_LATE_FROZEN),
+        _state(lambda: _late_frozen()[0]),
     ),
     Case(
         "per_example.track.nested_blocks_on_one_model",

@@ -16,8 +16,13 @@ from ._oracles import D, ce_problem, dense_hessian
 SEEDS = 60
 
 
+def _gen(seed: int) -> torch.Generator:
+    """A seeded generator on the device under test."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def _matrix(n: int = 40) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
+    g = _gen(1)
     Q = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=D)).Q
     lam = torch.cat(
         [torch.tensor([8.0, 5.0, 3.0], dtype=D), torch.randn(n - 3, generator=g, dtype=D) * 0.5]
@@ -29,10 +34,7 @@ def _matrix(n: int = 40) -> torch.Tensor:
 def test_trace_is_unbiased_with_honest_standard_errors(method):
     A = _matrix()
     exact = float(A.trace())
-    ests = [
-        trace(A, 12, method=method, generator=torch.Generator().manual_seed(s))
-        for s in range(SEEDS)
-    ]
+    ests = [trace(A, 12, method=method, generator=_gen(s)) for s in range(SEEDS)]
     values = torch.stack([e.value for e in ests])
     se = float(values.std()) / SEEDS**0.5
     assert abs(float(values.mean()) - exact) <= 3 * se
@@ -44,10 +46,7 @@ def test_trace_is_unbiased_with_honest_standard_errors(method):
 @pytest.mark.parametrize("method", ["hutch++", "hutchinson"])
 def test_diagonal_is_unbiased_entrywise(method):
     A = _matrix()
-    ests = [
-        diagonal(A, 12, method=method, generator=torch.Generator().manual_seed(s))
-        for s in range(SEEDS)
-    ]
+    ests = [diagonal(A, 12, method=method, generator=_gen(s)) for s in range(SEEDS)]
     values = torch.stack([e.value for e in ests])
     z = (values.mean(0) - A.diagonal()) / (values.std(0) / SEEDS**0.5)
     assert float(z.abs().max()) < 4.5  # 40 entries, each within 3 standard errors but rarely
@@ -64,8 +63,7 @@ def test_hutchpp_beats_hutchinson_on_a_decaying_spectrum():
     err = {}
     for method in ("hutch++", "hutchinson"):
         errs = [
-            float(trace(A, 30, method=method, generator=torch.Generator().manual_seed(s)).value)
-            - float(A.trace())
+            float(trace(A, 30, method=method, generator=_gen(s)).value) - float(A.trace())
             for s in range(20)
         ]
         err[method] = sum(e * e for e in errs) ** 0.5
@@ -75,8 +73,8 @@ def test_hutchpp_beats_hutchinson_on_a_decaying_spectrum():
 def test_estimates_are_reproducible():
     model, loss_fn, batch = ce_problem()
     H = Hessian(model, loss_fn, batch)
-    a = trace(H, 9, generator=torch.Generator().manual_seed(5))
-    b = trace(H, 9, generator=torch.Generator().manual_seed(5))
+    a = trace(H, 9, generator=_gen(5))
+    b = trace(H, 9, generator=_gen(5))
     assert isinstance(a, Estimate) and torch.equal(a.value, b.value)
     torch.manual_seed(3)
     c = diagonal(H, 6, method="hutchinson")
@@ -116,16 +114,16 @@ def test_estimator_errors():
 
 def _spectrum(lam: torch.Tensor) -> torch.Tensor:
     n = lam.numel()
-    Q = torch.linalg.qr(torch.randn(n, n, dtype=D, generator=torch.Generator().manual_seed(2))).Q
+    Q = torch.linalg.qr(torch.randn(n, n, dtype=D, generator=_gen(2))).Q
     return Q @ torch.diag(lam) @ Q.T
 
 
 @pytest.mark.parametrize("method", ["hutch++", "hutchinson"])
 def test_adaptive_trace_stops_at_the_requested_relative_error(method):
-    A = _spectrum(4 * torch.rand(120, dtype=D, generator=torch.Generator().manual_seed(4)) - 1)
+    A = _spectrum(4 * torch.rand(120, dtype=D, generator=_gen(4)) - 1)
     exact = float(A.trace())
     for seed in range(5):
-        gen = torch.Generator().manual_seed(seed)
+        gen = _gen(seed)
         est = trace(A, 12, method=method, rtol=0.02, generator=gen)
         assert float(est.stderr) <= 0.02 * abs(float(est.value))
         assert 12 < est.probes <= 1000  # 12 products were not enough here
@@ -136,12 +134,12 @@ def test_adaptive_trace_says_when_the_spectrum_keeps_it_from_the_tolerance():
     signs = torch.tensor([1.0, -1.0], dtype=D).repeat(100)  # flat, indefinite: tr 2, ||A||_F 14
     A = _spectrum(signs + 0.01)
     with pytest.warns(ConvergenceWarning, match=r"standard error is .* after max_probes=60"):
-        est = trace(A, 20, rtol=0.05, max_probes=60, generator=torch.Generator().manual_seed(0))
+        est = trace(A, 20, rtol=0.05, max_probes=60, generator=_gen(0))
     assert est.probes == 60
     assert float(est.stderr) > 0.05 * abs(float(est.value))
 
 
 def test_adaptive_trace_without_need_spends_only_the_first_probes():
     A = torch.diag(torch.arange(1.0, 51.0, dtype=D))  # diagonal: every Rademacher sample exact
-    est = trace(A, 9, method="hutchinson", rtol=0.05, generator=torch.Generator().manual_seed(0))
+    est = trace(A, 9, method="hutchinson", rtol=0.05, generator=_gen(0))
     assert est.probes == 9 and float(est.stderr) == 0.0

@@ -15,6 +15,11 @@ from gradkit.testing import assert_close
 from ._oracles import D, ce_problem, dense_ggn, dense_hessian, mlp, mse_problem, per_example, rel
 
 
+def _gen(seed: int) -> torch.Generator:
+    """A seeded generator on the device under test."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def _bce(out, target):
     return F.binary_cross_entropy_with_logits(out, target)
 
@@ -64,7 +69,7 @@ def test_monte_carlo_fisher_converges_to_the_ggn(problem):
     ref = dense_ggn(model, loss_fn, batch)
     errors = []
     for samples in (1, 10, 100):
-        gen = torch.Generator().manual_seed(samples)
+        gen = _gen(samples)
         Fmc = Fisher(model, loss_fn, batch, samples=samples, generator=gen)
         M = Fmc.dense()
         assert float((M - M.T).abs().max()) <= 1e-12
@@ -72,9 +77,9 @@ def test_monte_carlo_fisher_converges_to_the_ggn(problem):
         errors.append(rel(M, ref))
     assert errors[2] < 0.05 and errors[2] < errors[1] < errors[0]
     # the same generator seed gives the same operator; a fixed operator (samples drawn once)
-    gen = torch.Generator().manual_seed(3)
+    gen = _gen(3)
     a = Fisher(model, loss_fn, batch, samples=2, generator=gen)
-    b = Fisher(model, loss_fn, batch, samples=2, generator=torch.Generator().manual_seed(3))
+    b = Fisher(model, loss_fn, batch, samples=2, generator=_gen(3))
     v = torch.randn(a.shape[0], dtype=D)
     assert torch.equal(a @ v, b @ v) and torch.equal(a @ v, a @ v)
 
@@ -82,7 +87,7 @@ def test_monte_carlo_fisher_converges_to_the_ggn(problem):
 def test_monte_carlo_fisher_over_batches_is_fixed_and_unbiased():
     model, loss_fn, (x, y) = ce_problem(n=40)
     parts = [(x[:25], y[:25]), (x[25:], y[25:])]
-    Fmc = Fisher(model, loss_fn, parts, samples=200, generator=torch.Generator().manual_seed(0))
+    Fmc = Fisher(model, loss_fn, parts, samples=200, generator=_gen(0))
     v = torch.randn(Fmc.shape[0], dtype=D)
     assert torch.equal(Fmc @ v, Fmc @ v)  # the same samples in every product
     assert rel(Fmc.dense(), dense_ggn(model, loss_fn, (x, y))) < 0.05
@@ -168,7 +173,7 @@ def test_block_operators_are_exactly_zero_off_the_blocks(op):
 
     def make(**kw):
         if op is Fisher:
-            kw["generator"] = torch.Generator().manual_seed(0)
+            kw["generator"] = _gen(0)
         return op(model, loss_fn, batch, **kw)
 
     M = make().dense()
@@ -219,7 +224,7 @@ def test_the_mlp_sweep_equals_per_example_gradients_and_the_dense_diagonal(name,
     def op(model):
         if name.startswith("fisher"):
             kind = name.split("_")[1]
-            gen = torch.Generator().manual_seed(0)
+            gen = _gen(0)
             samples = 3 if kind == "mc" else 1
             return Fisher(model, loss_fn, parts, kind=kind, samples=samples, generator=gen)
         return GGN(model, loss_fn, parts)
@@ -359,11 +364,11 @@ def test_exact_diagonals_of_layers_that_are_not_plain_torch_layers(variant):
 @pytest.mark.parametrize(
     "options",
     [
-        {},
-        {"reduction": "sum"},
-        {"weight": torch.tensor([0.5, 2.0, 1.0], dtype=D)},
-        {"ignore_index": 1},
-        {"label_smoothing": 0.2},
+        lambda: {},
+        lambda: {"reduction": "sum"},
+        lambda: {"weight": torch.tensor([0.5, 2.0, 1.0], dtype=D)},
+        lambda: {"ignore_index": 1},
+        lambda: {"label_smoothing": 0.2},
     ],
     ids=["mean", "sum", "class-weights", "ignore-index", "label-smoothing"],
 )
@@ -377,7 +382,8 @@ def test_cross_entropy_factors_in_closed_form_are_exact(monkeypatch, options):
 
     monkeypatch.setattr(ggn, "loss_hessian_blocks", refuse)
     torch.manual_seed(2)
-    loss_fn = lambda o, t: F.cross_entropy(o, t, **options)
+    kwargs = options()
+    loss_fn = lambda o, t: F.cross_entropy(o, t, **kwargs)
     for model in (mlp(), _Wrapped(mlp())):  # the MLP sweep and the per-example route
         x, y = torch.randn(8, 4, dtype=D), torch.randint(0, 3, (8,))
         d = diagonal(GGN(model, loss_fn, (x, y)))

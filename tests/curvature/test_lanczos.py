@@ -13,6 +13,11 @@ from gradkit.testing import assert_close
 from ._oracles import D, ce_problem, dense_hessian
 
 
+def _gen(seed: int) -> torch.Generator:
+    """A seeded generator on the device under test."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 @pytest.fixture(scope="module")
 def hessian():
     torch.manual_seed(0)
@@ -30,9 +35,7 @@ def test_extreme_eigenvalues_of_an_indefinite_hessian(hessian, which):
         "smallest": lam,
         "magnitude": lam[lam.abs().argsort(descending=True)],
     }[which]
-    values, vectors = eigenvalues(
-        H, k=4, which=which, return_vectors=True, generator=torch.Generator().manual_seed(0)
-    )
+    values, vectors = eigenvalues(H, k=4, which=which, return_vectors=True, generator=_gen(0))
     assert_close(values, order[:4], rtol=1e-6, atol=0)
     residual = ref @ vectors - vectors * values
     assert float(residual.abs().max()) <= 1e-6 * float(lam.abs().max())
@@ -43,9 +46,7 @@ def test_no_ghost_copies_with_many_iterations(hessian):
     H, ref = hessian
     top = torch.linalg.eigvalsh(ref).flip(0)[:6]
     for steps in (51, 80, H.shape[0]):
-        values = eigenvalues(
-            H, k=6, max_iter=steps, tol=0.0, generator=torch.Generator().manual_seed(1)
-        )
+        values = eigenvalues(H, k=6, max_iter=steps, tol=0.0, generator=_gen(1))
         assert_close(values, top, rtol=1e-6, atol=0)
         gaps = (values[:-1] - values[1:]).abs()
         assert float(gaps.min()) > 1e-6 * float(top.abs().max())
@@ -53,7 +54,7 @@ def test_no_ghost_copies_with_many_iterations(hessian):
 
 def test_repeated_eigenvalues_are_found_after_an_invariant_subspace():
     A = torch.diag(torch.tensor([5.0, 5.0, 5.0, 4.0] + [1.0] * 20, dtype=D))
-    values = eigenvalues(A, k=4, generator=torch.Generator().manual_seed(0))
+    values = eigenvalues(A, k=4, generator=_gen(0))
     assert_close(values, torch.tensor([5.0, 5.0, 5.0, 4.0], dtype=D))
 
 
@@ -66,7 +67,7 @@ def _ordered(lam: torch.Tensor, which: str) -> torch.Tensor:
 
 
 def _rotated(values: list[float]) -> torch.Tensor:
-    g = torch.Generator().manual_seed(3)
+    g = _gen(3)
     Q, _ = torch.linalg.qr(torch.randn(len(values), len(values), dtype=D, generator=g))
     return Q @ torch.diag(torch.tensor(values, dtype=D)) @ Q.T
 
@@ -88,7 +89,7 @@ def test_repeated_eigenvalues_when_the_krylov_space_is_exhausted_after_k_steps(w
                 k=k,
                 which=which,
                 return_vectors=True,
-                generator=torch.Generator().manual_seed(0),
+                generator=_gen(0),
             )
             want = _ordered(ref, which)[:k]
             if which == "magnitude":  # -5 and 5 tie
@@ -108,7 +109,7 @@ def test_defaults_stop_early_and_warn_when_not_converged(hessian):
             count["n"] += 1 if V.dim() == 1 else V.shape[1]
             return H @ V
 
-    values = eigenvalues(Counted(), k=3, generator=torch.Generator().manual_seed(0))
+    values = eigenvalues(Counted(), k=3, generator=_gen(0))
     assert_close(values, torch.linalg.eigvalsh(ref).flip(0)[:3], rtol=1e-6, atol=0)
     assert count["n"] <= 64
     with pytest.warns(RuntimeWarning, match=r"not converged in 4 products .* raise max_iter"):
@@ -132,7 +133,8 @@ def test_eigenvalue_errors():
 def test_spectral_density_by_stochastic_lanczos_quadrature():
     lam = torch.cat([torch.full((20,), -1.0), torch.full((30,), 2.0)]).to(D)
     A = torch.diag(lam)
-    sd = spectral_density(A, probes=3, steps=10, grid=2001, generator=torch.Generator())
+    gen = torch.Generator(torch.get_default_device())
+    sd = spectral_density(A, probes=3, steps=10, grid=2001, generator=gen)
     assert isinstance(sd, SpectralDensity) and sd.nodes.shape == (3, 10)
     assert_close(sd.weights.sum(1), torch.ones(3, dtype=D))
     # first moment of each probe's quadrature: z^T A z / n = tr(A) / n for diagonal A

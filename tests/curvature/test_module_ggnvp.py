@@ -20,7 +20,7 @@ def _flat(d, names):
 
 
 def _vector(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     return {
         n: torch.randn(p.shape, dtype=p.dtype, generator=g)
         for n, p in model.named_parameters()

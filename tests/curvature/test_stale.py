@@ -24,6 +24,11 @@ from gradkit.testing import assert_close
 from ._oracles import D, ce_problem, dense_ggn, dense_hessian
 
 
+def _gen(seed: int) -> torch.Generator:
+    """A seeded generator on the device under test."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def _sgd_step(model: nn.Module, loss_fn: Callable, batch) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.7)
     opt.zero_grad()
@@ -67,7 +72,7 @@ def test_hessian_and_ggn_follow_the_model_after_an_in_place_change(change):
 def test_diagonal_trace_and_eigenvalues_inherit_the_check(change):
     model, loss_fn, batch = ce_problem()
     H, G = Hessian(model, loss_fn, batch), GGN(model, loss_fn, batch)
-    gen = lambda: torch.Generator().manual_seed(0)
+    gen = lambda: _gen(0)
     before = (eigenvalues(H, k=2, generator=gen()), diagonal(G).value)
     CHANGES[change](model, loss_fn, batch)
     H_new, G_new = dense_hessian(model, loss_fn, [batch]), dense_ggn(model, loss_fn, batch)
@@ -86,11 +91,11 @@ def test_diagonal_trace_and_eigenvalues_inherit_the_check(change):
 
 def test_fisher_follows_the_model_with_the_same_samples():
     model, loss_fn, batch = ce_problem()
-    F_mc = Fisher(model, loss_fn, batch, samples=4, generator=torch.Generator().manual_seed(3))
+    F_mc = Fisher(model, loss_fn, batch, samples=4, generator=_gen(3))
     F_emp = Fisher(model, loss_fn, batch, kind="empirical")
     F_mc.dense()
     _sgd_step(model, loss_fn, batch)
-    fresh = Fisher(model, loss_fn, batch, samples=4, generator=torch.Generator().manual_seed(3))
+    fresh = Fisher(model, loss_fn, batch, samples=4, generator=_gen(3))
     assert_close(F_mc.dense(), fresh.dense())
     assert_close(F_emp.dense(), Fisher(model, loss_fn, batch, kind="empirical").dense())
 

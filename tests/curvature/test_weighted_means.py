@@ -17,17 +17,20 @@ from gradkit.testing import assert_close
 
 from ._oracles import D, dense_ggn, dense_hessian, mlp, per_example, rel
 
-WEIGHT = torch.tensor([0.5, 2.0, 1.25], dtype=D)
+
+def _weight() -> torch.Tensor:
+    return torch.tensor([0.5, 2.0, 1.25], dtype=D)
+
 
 # loss options; targets equal to IGNORED are ignored where "ignore_index" is given
 SETTINGS = {
-    "ignore_index": {"ignore_index": 1},
-    "default_ignore_index": {},
-    "weight": {"weight": WEIGHT},
-    "weight_ignore_index": {"weight": WEIGHT, "ignore_index": 1},
-    "weight_label_smoothing": {"weight": WEIGHT, "label_smoothing": 0.2},
-    "ignore_index_label_smoothing": {"ignore_index": 1, "label_smoothing": 0.3},
-    "all": {"weight": WEIGHT, "ignore_index": 1, "label_smoothing": 0.1},
+    "ignore_index": lambda: {"ignore_index": 1},
+    "default_ignore_index": lambda: {},
+    "weight": lambda: {"weight": _weight()},
+    "weight_ignore_index": lambda: {"weight": _weight(), "ignore_index": 1},
+    "weight_label_smoothing": lambda: {"weight": _weight(), "label_smoothing": 0.2},
+    "ignore_index_label_smoothing": lambda: {"ignore_index": 1, "label_smoothing": 0.3},
+    "all": lambda: {"weight": _weight(), "ignore_index": 1, "label_smoothing": 0.1},
 }
 
 
@@ -65,7 +68,7 @@ def _counted(options: dict, y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("wrapped", [False, True], ids=["mlp", "other"])
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_several_batches_equal_one_big_batch_for_weighted_means(name, wrapped):
-    options = SETTINGS[name]
+    options = SETTINGS[name]()
     x, y, parts = _problem(options)
     counts = [int((t == options.get("ignore_index", -100)).sum()) for _, t in parts]
     assert len(set(counts)) == 3  # different numbers of ignored targets per batch
@@ -79,7 +82,7 @@ def test_several_batches_equal_one_big_batch_for_weighted_means(name, wrapped):
     assert_close([diagonal(H).value, diagonal(G).value], [H_ref.diagonal(), G_ref.diagonal()])
     exact = [trace(op, method="exact").value for op in (H, G)]
     assert_close(exact, [H_ref.trace(), G_ref.trace()])
-    top = eigenvalues(G, k=2, generator=torch.Generator().manual_seed(0))
+    top = eigenvalues(G, k=2, generator=torch.Generator(torch.get_default_device()).manual_seed(0))
     assert_close(top, torch.linalg.eigvalsh(G_ref).flip(0)[:2], rtol=1e-7)
     # the empirical Fisher: (1/Z) sum_n g_n g_n^T, g_n the gradient of a target's summed term
     g = per_example(model, nn.CrossEntropyLoss(reduction="sum", **options), (x, y))
@@ -94,8 +97,8 @@ def test_several_batches_equal_one_big_batch_for_weighted_means(name, wrapped):
     [
         lambda: F.cross_entropy,
         lambda: F.nll_loss,
-        lambda: nn.NLLLoss(weight=WEIGHT),
-        lambda: functools.partial(F.cross_entropy, weight=WEIGHT, label_smoothing=0.2),
+        lambda: nn.NLLLoss(weight=_weight()),
+        lambda: functools.partial(F.cross_entropy, weight=_weight(), label_smoothing=0.2),
     ],
     ids=["cross_entropy", "nll_loss", "NLLLoss_weight", "partial"],
 )
@@ -110,7 +113,7 @@ def test_torch_functions_partials_and_nll_loss_are_read_too(make):
 
 
 def test_a_batch_whose_targets_are_all_ignored_adds_nothing_and_all_ignored_is_refused():
-    options = {"ignore_index": 1, "weight": WEIGHT}
+    options = {"ignore_index": 1, "weight": _weight()}
     x, y, _ = _problem(options)
     y = y.clone()
     y[:4] = 1
@@ -135,7 +138,7 @@ def test_monte_carlo_fisher_leaves_out_the_ignored_examples_like_the_ggn():
     model = mlp()
     ref = dense_ggn(model, F.cross_entropy, (x, y))
     for data in ((x, y), parts):
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(torch.get_default_device()).manual_seed(0)
         Fmc = Fisher(model, F.cross_entropy, data, samples=2000, generator=gen)
         M = Fmc.dense()
         assert rel(M, ref) < 0.05
@@ -145,8 +148,8 @@ def test_monte_carlo_fisher_leaves_out_the_ignored_examples_like_the_ggn():
 @pytest.mark.parametrize("kdim", [False, True], ids=["N", "N_d"])
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_the_divisor_is_what_torchs_mean_divides_by(name, kdim):
-    options = SETTINGS[name]
-    gen = torch.Generator().manual_seed(0)
+    options = SETTINGS[name]()
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     shape = (9, 3, 4) if kdim else (9, 3)
     out = torch.randn(shape, dtype=D, generator=gen)
     y = torch.randint(0, 3, (shape[0], *shape[2:]), generator=gen)

@@ -17,7 +17,7 @@ N_TRAIN, N_VAL, FEATURES, CLASSES, HIDDEN = 12, 8, 4, 3, 5
 
 
 def data():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     X = torch.randn(N_TRAIN + N_VAL, FEATURES, generator=gen, dtype=D)
     y = torch.randint(0, CLASSES, (N_TRAIN + N_VAL,), generator=gen)
     return X[:N_TRAIN], y[:N_TRAIN], X[N_TRAIN:], y[N_TRAIN:]
@@ -31,7 +31,7 @@ def cross_entropy(logits, y):
 
 
 def softmax_params():
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
     return {
         "W": 0.3 * torch.randn(FEATURES, CLASSES, generator=gen, dtype=D),
         "b": torch.zeros(CLASSES, dtype=D),
@@ -39,7 +39,7 @@ def softmax_params():
 
 
 def mlp_params():
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(2)
     return {
         "W1": 0.5 * torch.randn(FEATURES, HIDDEN, generator=gen, dtype=D),
         "b1": 0.1 * torch.randn(HIDDEN, generator=gen, dtype=D),
@@ -95,7 +95,8 @@ class Setting:
 
 
 def _minibatch(t: int) -> torch.Tensor:
-    return torch.randperm(N_TRAIN, generator=torch.Generator().manual_seed(100 + t))[:6]
+    gen = torch.Generator(torch.get_default_device()).manual_seed(100 + t)
+    return torch.randperm(N_TRAIN, generator=gen)[:6]
 
 
 def _scalar(v: float) -> Callable[[], torch.Tensor]:

@@ -20,7 +20,7 @@ N, FEATURES = 40, 5
 
 
 def _ridge():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     X, y = torch.randn(N, FEATURES, generator=gen, dtype=D), torch.randn(N, generator=gen, dtype=D)
     Xv, yv = (
         torch.randn(15, FEATURES, generator=gen, dtype=D),
@@ -155,34 +155,50 @@ CALL = r"implicit\(inner_loss, outer_loss, params_star, hyper\): "
 @pytest.mark.parametrize(
     ("options", "error", "pattern"),
     [
-        ({"maxiter": -5}, ValueError, CALL + r"maxiter: expected an int >= 1, got -5"),
-        ({"maxiter": 10.0}, TypeError, CALL + r"maxiter: expected an int.*, got 10.0"),
-        ({"maxiter": True}, TypeError, CALL + r"maxiter: expected an int.*, got True"),
-        ({"tol": -1e-3}, ValueError, CALL + r"tol: expected a finite number >= 0, got -0.001"),
-        ({"tol": math.nan}, ValueError, CALL + r"tol: expected a finite number >= 0, got nan"),
-        ({"tol": "1e-6"}, TypeError, CALL + r"tol: expected a .*number.*, got '1e-6'"),
-        ({"damping": math.inf}, ValueError, CALL + r"damping: expected a finite number >= 0"),
-        ({"damping": -1.0}, ValueError, CALL + r"damping: expected a finite number >= 0"),
+        (lambda: {"maxiter": -5}, ValueError, CALL + r"maxiter: expected an int >= 1, got -5"),
+        (lambda: {"maxiter": 10.0}, TypeError, CALL + r"maxiter: expected an int.*, got 10.0"),
+        (lambda: {"maxiter": True}, TypeError, CALL + r"maxiter: expected an int.*, got True"),
         (
-            {"method": "neumann", "alpha": 0.0},
+            lambda: {"tol": -1e-3},
+            ValueError,
+            CALL + r"tol: expected a finite number >= 0, got -0.001",
+        ),
+        (
+            lambda: {"tol": math.nan},
+            ValueError,
+            CALL + r"tol: expected a finite number >= 0, got nan",
+        ),
+        (lambda: {"tol": "1e-6"}, TypeError, CALL + r"tol: expected a .*number.*, got '1e-6'"),
+        (
+            lambda: {"damping": math.inf},
+            ValueError,
+            CALL + r"damping: expected a finite number >= 0",
+        ),
+        (lambda: {"damping": -1.0}, ValueError, CALL + r"damping: expected a finite number >= 0"),
+        (
+            lambda: {"method": "neumann", "alpha": 0.0},
             ValueError,
             CALL + r"alpha: expected a finite number > 0, got 0.0",
         ),
         (
-            {"alpha": torch.tensor(0.1)},
+            lambda: {"alpha": torch.tensor(0.1)},
             TypeError,
             CALL + r"alpha: expected a .*number.*, got Tensor",
         ),
-        ({"stationary_tol": -1.0}, ValueError, CALL + r"stationary_tol: expected a number >= 0"),
-        ({"full_output": 1}, TypeError, CALL + r"full_output: expected a bool, got 1"),
         (
-            {"hyper": {}},
+            lambda: {"stationary_tol": -1.0},
+            ValueError,
+            CALL + r"stationary_tol: expected a number >= 0",
+        ),
+        (lambda: {"full_output": 1}, TypeError, CALL + r"full_output: expected a bool, got 1"),
+        (
+            lambda: {"hyper": {}},
             TypeError,
             CALL + r"hyper: expected a non-empty dict .*with tensors inner_loss or outer_loss "
             r"close over",
         ),
         (
-            {"method": "neumann", "alpha": 5.0, "maxiter": 400},
+            lambda: {"method": "neumann", "alpha": 5.0, "maxiter": 400},
             ValueError,
             CALL + r"alpha: expected a solve that stays finite \(alpha below 2 / lambda_max",
         ),
@@ -193,10 +209,10 @@ def test_bad_options_name_implicits_own_arguments(options, error, pattern):
     word), alpha=0 gave a zero Neumann series, a diverging alpha gave inf/NaN silently."""
     inner, outer, solve, h = _ridge()
     w_star = {"w": solve(h["l2"], h["c"])}
-    options = dict(options)
-    given = options.pop("hyper", h)
+    kwargs = options()
+    given = kwargs.pop("hyper", h)
     with pytest.raises(error, match=pattern):
-        hyper.implicit(inner, outer, w_star, given, **options)
+        hyper.implicit(inner, outer, w_star, given, **kwargs)
 
 
 def test_a_point_that_is_not_stationary_warns_and_reports_its_gradient_norm():

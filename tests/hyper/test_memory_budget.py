@@ -131,7 +131,7 @@ def test_the_measured_graph_is_what_autograd_saves_for_a_step(plans):
 
 
 def test_a_budget_with_graphs_still_catches_batches_that_change_on_replay():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     X, Y = torch.randn(30, 3, generator=gen, dtype=D), torch.randn(30, generator=gen, dtype=D)
     lr = torch.tensor(0.1, dtype=D)
     inner = lambda p, b: ((X[b] @ p["w"] - Y[b]) ** 2).mean()

@@ -27,7 +27,7 @@ STEPS = 10
 
 
 def _params0() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(5)
     return {
         "W": 0.3 * torch.randn(FEATURES, CLASSES, generator=gen, dtype=D),
         "late": 0.1 * torch.randn(CLASSES, generator=gen, dtype=D),  # unfrozen at step 4
@@ -194,7 +194,7 @@ def test_reverse_matches_central_finite_differences(name):
     h = _hyper(name)
     args, kw = _engines_args(name, h)
     rev = hyper.reverse(*args, hyper=h, **kw)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(7)
     problems = []
     for key, value in h.items():
         u = (

@@ -15,7 +15,7 @@ D = torch.float64
 
 
 def _inputs(seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
     cases = []
     for n in (1, 2, 3, 7, 50, 1000):
         for scale in (0.3, 2.0, 10.0):
@@ -118,7 +118,7 @@ def test_capped_simplex_matches_bisection_and_satisfies_kkt(low, high):
 
 def test_capped_simplex_matches_a_qp_solver():
     optimize = pytest.importorskip("scipy.optimize")
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(2)
     for n, radius in ((5, 1.0), (12, 4.0), (20, 2.5)):
         x = 2 * torch.randn(n, generator=gen, dtype=D)
         y = hyper.project_capped_simplex(x, radius)

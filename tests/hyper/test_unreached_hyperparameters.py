@@ -13,6 +13,7 @@ optimizer's (a copy of its momentum) still raises, naming the tensor it copies.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import pytest
@@ -22,17 +23,28 @@ from gradkit import hyper, optim
 from gradkit.testing import assert_close
 
 D = torch.float64
-_gen = torch.Generator().manual_seed(0)
-X, Y = torch.randn(20, 3, generator=_gen, dtype=D), torch.randn(20, generator=_gen, dtype=D)
-XV, YV = torch.randn(10, 3, generator=_gen, dtype=D), torch.randn(10, generator=_gen, dtype=D)
-W0 = torch.tensor([0.1, -0.2, 0.3], dtype=D)
+
+
+@cache
+def _data() -> tuple[torch.Tensor, ...]:
+    """The training data (X, Y) and the validation data (XV, YV)."""
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    X, Y = torch.randn(20, 3, generator=gen, dtype=D), torch.randn(20, generator=gen, dtype=D)
+    XV, YV = torch.randn(10, 3, generator=gen, dtype=D), torch.randn(10, generator=gen, dtype=D)
+    return X, Y, XV, YV
+
+
+def _w0() -> torch.Tensor:
+    return torch.tensor([0.1, -0.2, 0.3], dtype=D)
 
 
 def inner(p: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    X, Y, _, _ = _data()
     return ((X @ p["w"] - Y) ** 2).mean()
 
 
 def outer(p: dict[str, torch.Tensor]) -> torch.Tensor:
+    _, _, XV, YV = _data()
     return ((XV @ p["w"] - YV) ** 2).mean()
 
 
@@ -71,7 +83,7 @@ def _tensors(values: dict[str, float]) -> dict[str, torch.Tensor]:
 
 
 def _train(opt: optim.Optimizer, steps: int) -> float:
-    params = {"w": W0.clone()}
+    params = {"w": _w0()}
     state = opt.init(params)
     for _ in range(steps):
         x = params["w"].detach().requires_grad_(True)
@@ -93,7 +105,7 @@ def _finite_differences(make: Callable, values: dict[str, float], steps: int) ->
 
 def _engines(opt: optim.Optimizer, h: dict[str, torch.Tensor], steps: int) -> dict[str, dict]:
     """The hypergradient of every trajectory engine, at ``steps`` inner steps."""
-    args = (inner, outer, {"w": W0.clone()}, opt)
+    args = (inner, outer, {"w": _w0()}, opt)
     rtho = hyper.HyperOptimizer(
         *args, h, method="rtho", steps=steps, outer_opt=torch.optim.SGD(list(h.values()), lr=0.0)
     )
@@ -133,7 +145,7 @@ def test_hyperparameters_of_a_parameter_without_gradient_are_zero() -> None:
     lr = torch.tensor(0.1, dtype=D)
     wd_w, wd_frozen = torch.tensor(0.05, dtype=D), torch.tensor(0.05, dtype=D)
     opt = optim.sgd(lr=lr, momentum=0.9, weight_decay={"w": wd_w, "frozen": wd_frozen})
-    params0 = {"w": W0.clone(), "frozen": torch.ones(2, dtype=D)}
+    params0 = {"w": _w0(), "frozen": torch.ones(2, dtype=D)}
     h = {"lr": lr, "wd_w": wd_w, "wd_frozen": wd_frozen}
     args = (inner, lambda p: outer(p) + p["frozen"].sum(), params0, opt)
     rev = hyper.reverse(*args, steps=3, hyper=h)
@@ -157,7 +169,7 @@ def test_a_copy_of_the_optimizers_tensor_raises(engine: str, steps: int) -> None
     lr, mu = torch.tensor(0.1, dtype=D), torch.tensor(0.9, dtype=D)
     opt = optim.sgd(lr=lr, momentum=mu)
     h = {"lr": lr, "momentum": mu.clone()}
-    args = (inner, outer, {"w": W0.clone()}, opt)
+    args = (inner, outer, {"w": _w0()}, opt)
     with pytest.raises(ValueError, match=COPY):
         if engine == "rtho":
             hyper.HyperOptimizer(*args, h, method="rtho", steps=steps).step()
@@ -171,6 +183,6 @@ def test_a_copy_of_the_optimizers_tensor_raises(engine: str, steps: int) -> None
 def test_truncation_that_cuts_the_path_gives_zero_not_an_error() -> None:
     """``last < steps``: a path the truncation cuts is not a mistake, even for a copy."""
     lr, mu = torch.tensor(0.1, dtype=D), torch.tensor(0.9, dtype=D)
-    args = (inner, outer, {"w": W0.clone()}, optim.sgd(lr=lr, momentum=mu))
+    args = (inner, outer, {"w": _w0()}, optim.sgd(lr=lr, momentum=mu))
     res = hyper.truncated(*args, steps=2, last=1, hyper={"lr": lr, "momentum": mu.clone()})
     assert float(res["momentum"]) == 0.0 and float(res["lr"]) != 0.0

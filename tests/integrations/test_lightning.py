@@ -29,7 +29,7 @@ def mlp() -> nn.Module:
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     return torch.randn(N, 5, generator=g, dtype=D), torch.randint(0, 3, (N,), generator=g)
 
 

@@ -34,7 +34,7 @@ def gpt2() -> nn.Module:
 
 class Rows(torch.utils.data.Dataset):
     def __init__(self):
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator(torch.get_default_device()).manual_seed(1)
         self.ids = torch.randint(3, V, (N, T), generator=g)
 
     def __len__(self):

@@ -11,8 +11,13 @@ import torch
 
 from gradkit import optim
 
-P = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
-G = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+
+def _params():
+    return {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+
+
+def _grads():
+    return {"w": torch.ones(2, 3), "b": torch.ones(3)}
 
 
 @pytest.mark.parametrize(
@@ -105,6 +110,7 @@ def test_bad_construction_is_explained(build, error, pattern):
 
 
 def test_bad_updates_are_explained():
+    P, G = _params(), _grads()
     opt = optim.sgd(lr=0.1)
     state = opt.init(P)
     with pytest.raises(
@@ -178,6 +184,7 @@ def test_bad_updates_are_explained():
 
 
 def test_bad_layouts_are_explained():
+    P = _params()
     opt = optim.sgd(0.1, momentum=0.9)
     with pytest.raises(
         TypeError,
@@ -276,6 +283,7 @@ def test_tensor_hyperparameters_are_checked_like_numbers(build, error, pattern):
 
 
 def test_valid_tensor_hyperparameters_still_work_and_stay_differentiable():
+    P, G = _params(), _grads()
     lr = torch.tensor(0.1, requires_grad=True)
     opt = optim.sgd(lr=lr, momentum=torch.tensor(0.9, dtype=torch.float64))
     new, _ = opt.update(G, opt.init(P), P)
@@ -288,29 +296,35 @@ def test_valid_tensor_hyperparameters_still_work_and_stay_differentiable():
     ("call", "error", "pattern"),
     [
         (
-            lambda o, s: o.update({"w": torch.ones(2, 3, dtype=torch.float64), "b": G["b"]}, s, P),
+            lambda o, s: o.update(
+                {"w": torch.ones(2, 3, dtype=torch.float64), "b": _grads()["b"]}, s, _params()
+            ),
             ValueError,
             r"sgd.update: grads\['w'\]: expected a tensor of the parameter's shape \(2, 3\) and "
             r"dtype torch.float32, got Tensor\(shape=\(2, 3\), dtype=torch.float64\)",
         ),
         (
-            lambda o, s: o.update(G, s, {"w": torch.ones(2, 3, dtype=torch.long), "b": P["b"]}),
+            lambda o, s: o.update(
+                _grads(), s, {"w": torch.ones(2, 3, dtype=torch.long), "b": _params()["b"]}
+            ),
             TypeError,
             r"sgd.update: params\['w'\]: expected a floating-point tensor",
         ),
         (
-            lambda o, s: o.update(G, s, P, return_delta="yes"),
+            lambda o, s: o.update(_grads(), s, _params(), return_delta="yes"),
             TypeError,
             r"sgd.update: return_delta: expected a bool",
         ),
         (
-            lambda o, s: o.update(G, s, P, lr=torch.tensor(-1.0)),
+            lambda o, s: o.update(_grads(), s, _params(), lr=torch.tensor(-1.0)),
             ValueError,
             r"sgd.update: lr: expected a tensor of finite values >= 0",
         ),
         (
             lambda o, s: o.update(
-                G, s._replace(momentum_buffer={"w": torch.ones(1), "b": P["b"]}), P
+                _grads(),
+                s._replace(momentum_buffer={"w": torch.ones(1), "b": _params()["b"]}),
+                _params(),
             ),
             ValueError,
             r"sgd.update: state.momentum_buffer\['w'\]: expected a buffer like its parameter",
@@ -318,28 +332,28 @@ def test_valid_tensor_hyperparameters_still_work_and_stay_differentiable():
         (
             lambda o, s: optim.sgd(
                 0.1, mask={"w": torch.ones(3, dtype=torch.bool), "b": None}
-            ).update(G, s, P),
+            ).update(_grads(), s, _params()),
             ValueError,
             r"sgd.update: mask\['w'\]: expected a boolean tensor of the parameter's shape \(2, 3\)",
         ),
         (
-            lambda o, s: optim.apply_updates(P, {"w": torch.ones(1), "b": P["b"]}),
+            lambda o, s: optim.apply_updates(_params(), {"w": torch.ones(1), "b": _params()["b"]}),
             ValueError,
             r"apply_updates\(params, delta\): delta\['w'\]: expected a tensor of the parameter's "
             r"shape \(2, 3\)",
         ),
         (
-            lambda o, s: optim.state_layout(P, s).unflatten(torch.zeros(18), step=-1),
+            lambda o, s: optim.state_layout(_params(), s).unflatten(torch.zeros(18), step=-1),
             ValueError,
             r"StateLayout.unflatten: step: expected an int >= 0, got -1",
         ),
         (
-            lambda o, s: optim.state_layout(P, s).flatten(P, s, out=torch.zeros(3)),
+            lambda o, s: optim.state_layout(_params(), s).flatten(_params(), s, out=torch.zeros(3)),
             ValueError,
             r"StateLayout.flatten: out: expected a 1-d tensor of 18 elements",
         ),
         (
-            lambda o, s: optim.state_layout({"w": torch.ones(3), "b": P["b"]}, s),
+            lambda o, s: optim.state_layout({"w": torch.ones(3), "b": _params()["b"]}, s),
             ValueError,
             r"state_layout\(params, state\): state.momentum_buffer\['w'\]: expected a buffer "
             r"shaped like its parameter \(3,\)",
@@ -350,6 +364,6 @@ def test_bad_update_arguments_are_explained(call, error, pattern):
     """Before: a float64 gradient for a float32 weight, an int weight, a slot or a mask of
     another shape gave raw torch errors, silent broadcasting or truncated int weights."""
     opt = optim.sgd(0.1, momentum=0.9)
-    state = opt.init(P)
+    state = opt.init(_params())
     with pytest.raises(error, match=pattern):
         call(opt, state)

@@ -34,19 +34,21 @@ def _used(name: str, t: int) -> bool:
 
 
 def _initial() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
     return {n: torch.randn(3, 2, generator=gen, dtype=D) for n in NAMES}
 
 
-X = torch.randn(5, 3, dtype=D, generator=torch.Generator().manual_seed(1))
+def _inputs() -> torch.Tensor:
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
+    return torch.randn(5, 3, dtype=D, generator=gen)
 
 
 def _loss(params: dict[str, torch.Tensor], t: int) -> torch.Tensor:
     """A smooth loss of the parameters used at step ``t`` (the others get no gradient)."""
-    total = torch.zeros((), dtype=D)
+    x, total = _inputs(), torch.zeros((), dtype=D)
     for k, name in enumerate(NAMES):
         if _used(name, t):
-            z = torch.tanh(X @ params[name] + 0.1 * (k + 1) * t)
+            z = torch.tanh(x @ params[name] + 0.1 * (k + 1) * t)
             total = total + ((z - 0.3 * (k - 1)) ** 2).mean() + 0.05 * params[name].sum() ** 2
     return total
 
@@ -207,9 +209,6 @@ def test_rmsprop_matches_torch_per_parameter(flags, groups):
     _run("rmsprop", "RMSprop", flags, groups)
 
 
-SCHEDULE = torch.linspace(0.05, 0.01, STEPS, dtype=D)
-
-
 @pytest.mark.parametrize("override", [False, True], ids=["schedule-tensor", "per-step-override"])
 @pytest.mark.parametrize(
     ("name", "torch_name", "groups"),
@@ -224,7 +223,8 @@ def test_learning_rate_schedules_index_the_global_step(name, torch_name, groups,
     """A schedule follows ``optimizer.step()`` calls (as ``lr_scheduler``), the bias
     corrections and buffers the parameter's own count."""
     groups = [dict(g, lr=0.05) for g in groups]
-    _run(name, torch_name, {}, groups, schedule=SCHEDULE, override_schedule=override)
+    schedule = torch.linspace(0.05, 0.01, STEPS, dtype=D)
+    _run(name, torch_name, {}, groups, schedule=schedule, override_schedule=override)
 
 
 def test_a_late_parameter_gets_the_first_step_of_a_fresh_optimizer():

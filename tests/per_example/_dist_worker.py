@@ -12,7 +12,7 @@ from gradkit.per_example import track
 
 
 def data():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     x = torch.randn(7, 3, generator=g, dtype=torch.float64)
     return x, torch.randn(7, 2, generator=g, dtype=torch.float64)
 

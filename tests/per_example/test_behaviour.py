@@ -32,7 +32,7 @@ def conv_net() -> nn.Module:
 
 
 def ce_data(n: int = 16):
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
     return torch.randn(n, 3, 8, 8, generator=g, dtype=D), torch.randint(0, 10, (n,), generator=g)
 
 

@@ -27,7 +27,7 @@ def _setup():
 
 
 def _step(model, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     x = torch.randn(6, 5, dtype=torch.float64, generator=g)
     y = torch.randint(0, 3, (6,), generator=g)
     model.zero_grad(set_to_none=True)
@@ -103,7 +103,7 @@ def test_sequence_layers_whose_backward_sums_the_blocks_reuse_storage_exactly():
 
     held, ptrs = [], []
     for seed in range(3):
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(torch.get_default_device()).manual_seed(seed)
         x = torch.randn(6, 7, 4, dtype=torch.float64, generator=g)
         y = torch.randn(6, 7, 2, dtype=torch.float64, generator=g)
         model.zero_grad(set_to_none=True)
@@ -132,7 +132,7 @@ def test_results_under_the_size_floor_are_not_pooled(monkeypatch):
 
 
 def _stats_step(model, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     x = torch.randn(6, 5, dtype=torch.float64, generator=g)
     y = torch.randint(0, 3, (6,), generator=g)
     model.zero_grad(set_to_none=True)

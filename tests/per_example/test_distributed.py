@@ -22,7 +22,7 @@ WORKER = pathlib.Path(__file__).with_name("_dist_worker.py")
 def test_all_reduce_equals_one_pass_over_all_ranks(tmp_path):
     run_ranks(WORKER, [str(tmp_path)])
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     x = torch.randn(7, 3, generator=g, dtype=torch.float64)
     y = torch.randn(7, 2, generator=g, dtype=torch.float64)
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def test_all_reduce_misuses(tmp_path):
     hanging."""
     run_ranks(WORKER, [str(tmp_path), "misuse"])
     results = [torch.load(tmp_path / f"misuse{r}.pt", weights_only=True) for r in range(2)]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     x = torch.randn(7, 3, generator=g, dtype=torch.float64)
     y = torch.randn(7, 2, generator=g, dtype=torch.float64)
     torch.manual_seed(0)

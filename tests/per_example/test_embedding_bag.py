@@ -36,7 +36,7 @@ class Bags:
     per-sample weights; :meth:`call` packs any subset as the module's arguments."""
 
     def __init__(self, n: int, layout: str, pad: int | None, weighted: bool, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(torch.get_default_device()).manual_seed(seed)
         self.layout, self.pad = layout, pad
         lengths = [4] * n if layout == "2d" else [LENGTHS[b % len(LENGTHS)] for b in range(n)]
         self.idx = [torch.randint(1, V, (k,), generator=g) for k in lengths]
@@ -231,7 +231,8 @@ class Tied(nn.Module):
 
 def test_weight_shared_with_linear():
     data = Bags(5, "keyword", None, weighted=False, seed=8)
-    data.y = torch.randn(5, V, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(9)
+    data.y = torch.randn(5, V, generator=gen, dtype=torch.float64)
     model = Tied().double()
     check(tracked(model, data, [5], "sum"), oracle(model, data, 5))
 

@@ -78,7 +78,7 @@ def test_intermediate_outputs_are_not_counted_twice(returns: tuple[str, ...]) ->
 def test_clip_both_towers_with_a_per_example_loss() -> None:
     transformers = pytest.importorskip("transformers")
     n, length = 3, 6
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(torch.get_default_device()).manual_seed(3)
     ids = torch.randint(3, 40, (n, length), generator=g)
     ids[:, -1] = 2
     pixels = torch.randn(n, 3, 16, 16, dtype=D, generator=g)

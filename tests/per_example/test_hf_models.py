@@ -99,7 +99,7 @@ def per_example_oracle(
 
 def _padded(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids [n, T]`` (pad id 0 after each example's length) and ``attention_mask``."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     ids = torch.randint(3, V, (N_MAX, T), generator=g)
     mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).long()
     return (ids * mask)[:n], mask[:n]
@@ -120,7 +120,8 @@ def causal_lm_loss(out: Any, t: Tensors) -> torch.Tensor:
 def classify_batch(n: int) -> tuple[Tensors, Tensors]:
     ids, mask = _padded(n, seed=1)
     segment = (torch.arange(T)[None] >= torch.tensor(LENGTHS)[:n, None] // 2).long() * mask
-    labels = torch.randint(0, 3, (N_MAX,), generator=torch.Generator().manual_seed(2))[:n]
+    gen = torch.Generator(torch.get_default_device()).manual_seed(2)
+    labels = torch.randint(0, 3, (N_MAX,), generator=gen)[:n]
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": segment}, {"y": labels}
 
 
@@ -130,7 +131,7 @@ def classify_loss(out: Any, t: Tensors) -> torch.Tensor:
 
 def seq2seq_batch(n: int) -> tuple[Tensors, Tensors]:
     ids, mask = _padded(n, seed=3)
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator(torch.get_default_device()).manual_seed(4)
     dec = torch.randint(3, V, (N_MAX, 5), generator=g)[:n]
     labels = torch.randint(3, V, (N_MAX, 5), generator=g)[:n]
     dec_mask = torch.ones_like(dec)

@@ -34,7 +34,7 @@ V, T, N = 40, 6, 3
 
 
 def _ids() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     mask = torch.ones(N, T, dtype=torch.long)
     mask[1, 4:] = 0
     return {"input_ids": torch.randint(4, V, (N, T), generator=g), "attention_mask": mask}
@@ -142,7 +142,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, torch.Te
             )
         ),
         lambda: {
-            "pixel_values": torch.randn(N, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+            "pixel_values": torch.randn(
+                N, 3, 8, 8, generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+            )
         },
         _cls_loss,
     ),

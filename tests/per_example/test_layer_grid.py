@@ -351,7 +351,7 @@ def losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def data(case: Case, model: nn.Module, n: int, dtype: torch.dtype) -> tuple[Any, Any]:
     """Inputs and targets drawn in float32 (exact in float64 too), cast to ``dtype``."""
-    g = torch.Generator().manual_seed(n)
+    g = torch.Generator(torch.get_default_device()).manual_seed(n)
     x = case.input_fn(n, g)
     x = x.to(dtype) if x.is_floating_point() else x
     with torch.no_grad():  # on a copy: a forward may change the module (max_norm)
@@ -522,7 +522,7 @@ def test_sparse_embedding(api: str) -> None:
 
 def test_embedding_scale_grad_by_freq_is_refused() -> None:
     model = nn.Embedding(6, 3, scale_grad_by_freq=True).double()
-    idx = indices(6, 4)(3, torch.Generator().manual_seed(0))
+    idx = indices(6, 4)(3, torch.Generator(torch.get_default_device()).manual_seed(0))
     with (
         pytest.raises(GradkitError, match=r"scale_grad_by_freq: expected False"),
         gradkit.per_example.track(model, "variance"),

@@ -32,7 +32,7 @@ def targets(n: int, seed: int = 0) -> torch.Tensor:
     """Every loss's targets in one ``[n, 18]`` tensor (the oracle slices its rows): a class
     index, 4 regression targets, 4 class probabilities, 4 multilabel bits, 4 variances, a
     cosine sign."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     index = torch.arange(n) % C  # every class present from n = 4 on
     return torch.cat(
         [
@@ -149,7 +149,8 @@ def model() -> nn.Module:
 
 
 def inputs(n: int) -> torch.Tensor:
-    return torch.randn(n, 5, generator=torch.Generator().manual_seed(1), dtype=D)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
+    return torch.randn(n, 5, generator=gen, dtype=D)
 
 
 def check_stats(stats, ref: dict[str, torch.Tensor]) -> None:
@@ -233,13 +234,18 @@ def test_per_example_losses_divided_by_the_batch_size_then_summed_are_a_mean():
 
 # -- class weights and ignored targets ------------------------------------------------------
 
-W = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=D)
+
+def class_weights() -> torch.Tensor:
+    return torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=D)
+
 
 WEIGHTED: dict[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]] = {
-    "cross_entropy": lambda o, y, r: F.cross_entropy(o, y, weight=W, reduction=r),
-    "nll_loss": lambda o, y, r: F.nll_loss(o.log_softmax(1), y, weight=W, reduction=r),
+    "cross_entropy": lambda o, y, r: F.cross_entropy(o, y, weight=class_weights(), reduction=r),
+    "nll_loss": lambda o, y, r: F.nll_loss(
+        o.log_softmax(1), y, weight=class_weights(), reduction=r
+    ),
     "cross_entropy_label_smoothing": lambda o, y, r: F.cross_entropy(
-        o, y, weight=W, label_smoothing=0.1, reduction=r
+        o, y, weight=class_weights(), label_smoothing=0.1, reduction=r
     ),
 }
 
@@ -261,7 +267,7 @@ def test_a_class_weighted_mean_over_an_image_is_refused_as_a_mean():
     y = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0], [0, 1], [1, 1]])[:, :, None]
     with track(net, "variance"), pytest.raises(GradkitError, match="NllLoss2DBackward0"):
         out = net(x).view(6, 2, 2, 1)
-        F.cross_entropy(out, y, weight=W[:2]).backward()
+        F.cross_entropy(out, y, weight=class_weights()[:2]).backward()
 
 
 @pytest.mark.parametrize("loss", list(WEIGHTED))
@@ -269,7 +275,7 @@ def test_a_class_weighted_mean_read_as_a_sum_gives_the_shares_statistics(loss):
     """Declared ``"sum"``: ``l_i = w[y_i] loss_i / sum(w[y])``, whose sum is the loss."""
     fn = WEIGHTED[loss]
     net, x, t = model(), inputs(6), targets(6)
-    total = W[idx(t)].sum()
+    total = class_weights()[idx(t)].sum()
     ref = per_example_grads(net, lambda o, y: fn(o, idx(y), "sum") / total, x, t)
     with track(net, "mean", "variance", "batch_grad", loss_reduction="sum") as stats:
         fn(net(x), idx(t), "mean").backward()
@@ -302,7 +308,8 @@ def test_a_token_mean_with_ignored_tokens_goes_through(declared):
     """A mean over the non-ignored tokens of ``[N * T, C]`` logits: ``"mean"`` (equal counts
     per example) and ``"sum"`` (``l_i`` = the example's token losses over the batch's count)
     are both valid readings."""
-    net, x = model(), torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(2), dtype=D)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(2)
+    net, x = model(), torch.randn(3, 4, 5, generator=gen, dtype=D)
     y = torch.tensor([[0, 1, 2, -100], [3, 2, 1, -100], [1, 1, 0, -100]])
 
     def loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -245,18 +245,25 @@ def test_a_refused_layer_leaves_every_grad_unchanged():
 
 # -- the loss reduction -------------------------------------------------------------------------
 
-X, Y = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 0])
+
+def inputs() -> torch.Tensor:
+    return torch.randn(5, 3, generator=torch.Generator(torch.get_default_device()).manual_seed(0))
+
+
+def labels() -> torch.Tensor:
+    return torch.tensor([0, 1, 2, 3, 0])
+
 
 SUM_LOSSES = {
-    "cross_entropy": lambda o: F.cross_entropy(o, Y, reduction="sum"),
+    "cross_entropy": lambda o: F.cross_entropy(o, labels(), reduction="sum"),
     "mse": lambda o: F.mse_loss(o, torch.zeros_like(o), reduction="sum"),
-    "none_then_sum": lambda o: F.cross_entropy(o, Y, reduction="none").sum(),
-    "sum_plus_regularizer": lambda o: F.cross_entropy(o, Y, reduction="sum") + 0.1 * o.sum(),
+    "none_then_sum": lambda o: F.cross_entropy(o, labels(), reduction="none").sum(),
+    "sum_plus_regularizer": lambda o: F.cross_entropy(o, labels(), reduction="sum") + 0.1 * o.sum(),
 }
 MEAN_LOSSES = {
-    "cross_entropy": lambda o: F.cross_entropy(o, Y),
+    "cross_entropy": lambda o: F.cross_entropy(o, labels()),
     "mse": lambda o: F.mse_loss(o, torch.zeros_like(o)),
-    "none_then_mean": lambda o: F.cross_entropy(o, Y, reduction="none").mean(),
+    "none_then_mean": lambda o: F.cross_entropy(o, labels(), reduction="none").mean(),
     "bce_logits": lambda o: F.binary_cross_entropy_with_logits(o, torch.ones_like(o)),
 }
 
@@ -267,7 +274,7 @@ def test_a_sum_loss_declared_mean_is_refused(loss):
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     with track(model, "variance"), pytest.raises(GradkitError) as err:
-        SUM_LOSSES[loss](model(X)).backward()
+        SUM_LOSSES[loss](model(inputs())).backward()
     text = str(err.value)
     assert "loss_reduction='mean'" in text and "pass loss_reduction='sum'" in text, text
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
@@ -277,7 +284,7 @@ def test_a_sum_loss_declared_mean_is_refused(loss):
 def test_a_mean_loss_declared_sum_is_refused(loss):
     model = nn.Linear(3, 4)
     with track(model, "variance", loss_reduction="sum"), pytest.raises(GradkitError) as err:
-        MEAN_LOSSES[loss](model(X)).backward()
+        MEAN_LOSSES[loss](model(inputs())).backward()
     text = str(err.value)
     assert "loss_reduction='sum'" in text and "pass loss_reduction='mean'" in text, text
     assert model.weight.grad is None
@@ -286,7 +293,7 @@ def test_a_mean_loss_declared_sum_is_refused(loss):
 def test_the_reduction_is_checked_in_autograd_grad_too():
     model = nn.Linear(3, 4)
     with track(model, "variance"), pytest.raises(GradkitError, match="NllLossBackward0"):
-        torch.autograd.grad(SUM_LOSSES["cross_entropy"](model(X)), list(model.parameters()))
+        torch.autograd.grad(SUM_LOSSES["cross_entropy"](model(inputs())), list(model.parameters()))
 
 
 def test_the_reduction_is_checked_for_rnns_and_retained_graphs():
@@ -298,7 +305,7 @@ def test_the_reduction_is_checked_for_rnns_and_retained_graphs():
         F.mse_loss(out, torch.zeros_like(out), reduction="sum").backward()
     model = nn.Linear(3, 4)
     with track(model, "variance"), pytest.raises(GradkitError, match="reduction='sum'"):
-        out = model(X)
+        out = model(inputs())
         F.mse_loss(out, torch.zeros_like(out)).backward(retain_graph=True)
         F.mse_loss(out, torch.zeros_like(out), reduction="sum").backward()
 
@@ -316,7 +323,7 @@ def test_a_sum_loss_that_does_not_reach_the_model_is_not_refused():
     ]
     for losses in unrelated:
         with track(model, "variance") as stats:
-            torch.autograd.backward(list(losses(model(X))))
+            torch.autograd.backward(list(losses(model(inputs()))))
         assert stats.num_examples == 5
 
 
@@ -347,9 +354,13 @@ def token_mean(o: torch.Tensor) -> torch.Tensor:
 
 
 NOT_REFUSED = [
-    ("mean_plus_regularizer", "mean", lambda m, o: F.cross_entropy(o, Y) + m.weight.square().sum()),
-    ("constant_times_mean", "mean", lambda m, o: 2.0 * F.cross_entropy(o, Y)),
-    ("sum_over_count", "mean", lambda m, o: F.cross_entropy(o, Y, reduction="sum") / 5),
+    (
+        "mean_plus_regularizer",
+        "mean",
+        lambda m, o: F.cross_entropy(o, labels()) + m.weight.square().sum(),
+    ),
+    ("constant_times_mean", "mean", lambda m, o: 2.0 * F.cross_entropy(o, labels())),
+    ("sum_over_count", "mean", lambda m, o: F.cross_entropy(o, labels(), reduction="sum") / 5),
     ("custom_sum_declared_mean", "mean", lambda m, o: o.pow(2).sum()),
     ("custom_mean_declared_sum", "sum", lambda m, o: o.pow(2).mean()),
     ("token_mean_declared_mean", "mean", lambda m, o: token_mean(m(torch.randn(5, 6, 3)))),
@@ -365,17 +376,17 @@ def test_what_cannot_be_told_is_not_refused(case):
     _, reduction, loss = case
     model = nn.Linear(3, 4)
     with track(model, "variance", loss_reduction=reduction) as stats:
-        loss(model, model(X)).backward()
+        loss(model, model(inputs())).backward()
     assert stats.num_examples == 5
 
 
 def test_a_mean_loss_plus_regularizer_is_exact():
     torch.manual_seed(0)
     model = nn.Linear(3, 4).double()
-    x = X.double()
-    ref = per_example_grads(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, Y)
+    x = inputs().double()
+    ref = per_example_grads(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, labels())
     with track(model, *QUANTITIES, moments=(3,)) as stats:
-        (F.cross_entropy(model(x), Y) + 0.01 * model.weight.square().sum()).backward()
+        (F.cross_entropy(model(x), labels()) + 0.01 * model.weight.square().sum()).backward()
     check_all(stats, ref)
 
 
@@ -386,7 +397,8 @@ def test_hugging_face_losses_are_mean_cross_entropy_and_not_refused():
         embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    ids = torch.randint(0, 11, (3, 6), generator=gen)
     for reduction in ("mean", "sum"):  # a mean over tokens: either reading is valid
         with track(model, "variance", loss_reduction=reduction) as stats:
             model(input_ids=ids, labels=ids).loss.backward()

@@ -78,7 +78,7 @@ def compare(stats, ref: dict[str, torch.Tensor], rtol: float, atol: float) -> No
 
 def seq_batch(t: int = 5, d: int = 8) -> Callable[[int], Any]:
     def make(n: int) -> Any:
-        g = torch.Generator().manual_seed(n)
+        g = torch.Generator(torch.get_default_device()).manual_seed(n)
         return torch.randn(n, t, d, generator=g, dtype=D), torch.randn(
             n, t, d, generator=g, dtype=D
         )
@@ -245,7 +245,7 @@ def resnet() -> nn.Module:
 
 
 def ids_batch(n: int) -> Any:
-    g = torch.Generator().manual_seed(n)
+    g = torch.Generator(torch.get_default_device()).manual_seed(n)
     return torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g, dtype=D)
 
 
@@ -376,7 +376,7 @@ def test_batch_size_equal_to_layer_sequence_and_feature_sizes(layers: int) -> No
     """N = layer count, = sequence length, = feature size: the layout decides, not a size."""
     for n, t, d in [(2, 5, 8), (5, 5, 8), (8, 5, 8), (3, 3, 3)]:
         model = nn.LSTM(d, 3, num_layers=layers, batch_first=True).double()
-        g = torch.Generator().manual_seed(n)
+        g = torch.Generator(torch.get_default_device()).manual_seed(n)
         x = torch.randn(n, t, d, generator=g, dtype=D)
         case = Case("lstm", nn.Identity, torch.zeros, lambda m, b, r: m(b[r])[0].pow(2).sum((1, 2)))
         ref = loop_oracle(case, model, x, n)
@@ -605,7 +605,7 @@ class TiedLM(nn.Module):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_tied_embedding_norms_by_the_cross_term(reduction: str) -> None:
     model = TiedLM().double()
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(torch.get_default_device()).manual_seed(3)
     idx = torch.randint(0, 40, (5, 4), generator=g)
     idx[:, 1] = idx[:, 0]  # a repeated token
     y = torch.randn(5, 4, 40, generator=g, dtype=D)
@@ -816,7 +816,7 @@ def test_activation_checkpointing(reentrant: bool) -> None:
 
 
 @pytest.mark.parametrize("layers", ["linear", "conv"])
-def test_layers_under_bf16_autocast(monkeypatch, layers) -> None:
+def test_layers_under_bf16_autocast(monkeypatch, device, layers) -> None:
     """Under autocast a layer runs in bf16 with a float32 weight. Its weight gradient is
     autograd's own (not fused, whatever `fuse` says): `p.grad` is bit for bit the untracked
     one. Every statistic comes from the float32 per-example gradients: the mean is their mean
@@ -832,7 +832,7 @@ def test_layers_under_bf16_autocast(monkeypatch, layers) -> None:
         x = torch.randn(16, 2, 8, 8) + 3.0
 
     def loss() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             out = model(x)
         return (out.float() - 5.0).pow(2).sum()
 
@@ -864,16 +864,17 @@ class TiedHead(nn.Module):
         return self.head(torch.tanh(self.emb(ids)))
 
 
-def test_a_weight_tied_across_a_float32_and_a_bf16_use() -> None:
+def test_a_weight_tied_across_a_float32_and_a_bf16_use(device) -> None:
     """Under autocast the embedding runs in float32 (its mean read at its edges) and the tied
     head in bf16 (its mean from the per-example gradients): summing the combined per-example
     gradients added the embedding's share a second time (the mean 0.67 off; HF Trainer's
     bf16=True on GPT-2: the noise scale 38 % off)."""
     torch.manual_seed(0)
     model = TiedHead()
-    ids = torch.randint(0, 20, (6, 5), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
+    ids = torch.randint(0, 20, (6, 5), generator=gen)
     with track(model, "mean", "variance", "batch_grad", loss_reduction="sum") as st:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(ids)
         loss = torch.nn.functional.cross_entropy
         loss(logits.float().flatten(0, 1), ids.flatten(), reduction="sum").backward()

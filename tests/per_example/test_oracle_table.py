@@ -69,7 +69,7 @@ def check(stats, ref: dict[str, torch.Tensor]) -> None:
 def test_matches_per_example_loop(setting, reduction, n, splits):
     torch.manual_seed(0)
     model = setting.module_fn().double()
-    x, y = setting.input_fn(n, torch.Generator().manual_seed(n))
+    x, y = setting.input_fn(n, torch.Generator(torch.get_default_device()).manual_seed(n))
     ref = reference(setting, model, x, y)
     stats = run_tracked(setting, model, x, y, reduction, splits)
     assert stats.num_examples == n
@@ -79,7 +79,7 @@ def test_matches_per_example_loop(setting, reduction, n, splits):
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
 def test_tiny_chunks_equal_unchunked(setting):
     model = setting.module_fn().double()
-    x, y = setting.input_fn(6, torch.Generator().manual_seed(1))
+    x, y = setting.input_fn(6, torch.Generator(torch.get_default_device()).manual_seed(1))
     a = run_tracked(setting, model, x, y, "mean", [6], chunk_size=1)
     b = run_tracked(setting, model, x, y, "mean", [6])
     for name in b:
@@ -96,7 +96,7 @@ def test_grad_is_untouched(setting, fuse, monkeypatch):
     summed from their per-example gradients."""
     monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
     model = setting.module_fn().double()
-    x, y = setting.input_fn(4, torch.Generator().manual_seed(2))
+    x, y = setting.input_fn(4, torch.Generator(torch.get_default_device()).manual_seed(2))
     setting.loss_fn(model(x), y).mean().backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -253,7 +253,7 @@ def sq_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_track_on_converted_model_matches_per_example_loop():
     net = make_net()
     out = replace_batchnorm(net)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(torch.get_default_device()).manual_seed(3)
     x, y = torch.randn(5, 3, 4, 4, generator=g, dtype=D), torch.randn(5, 3, generator=g, dtype=D)
     ref = per_example_grads(out, lambda o, t: sq_loss(o, t).sum(), x, y)
     assert out.training

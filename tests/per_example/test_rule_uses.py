@@ -173,13 +173,13 @@ def test_a_rule_less_precise_than_a_float64_model_is_refused(rule_slot) -> None:
     assert stats["1.s"].variance.dtype == torch.float64
 
 
-def test_a_rule_in_the_calls_own_low_precision_is_accepted(rule_slot) -> None:
+def test_a_rule_in_the_calls_own_low_precision_is_accepted(rule_slot, device) -> None:
     """Under bf16 autocast the call's output gradient is bf16: a rule computing in it is as
     precise as the layer's own backward (a float32 parameter)."""
     rule_slot(_bf16_rule)
     model = nn.Sequential(nn.Linear(3, 3), Scale())
     with gradkit.per_example.track(model, "variance") as stats:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             out = model(torch.randn(4, 3))
         out.float().pow(2).sum(1).mean().backward()
     assert stats["1.s"].variance.dtype == torch.float32

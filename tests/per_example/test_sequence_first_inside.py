@@ -53,7 +53,7 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _data(n: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     return torch.randn(n, t, 4, generator=g, dtype=D), torch.randint(0, 2, (n,), generator=g)
 
 
@@ -144,7 +144,7 @@ def test_longformer_with_as_many_positions_as_examples() -> None:
         attention_probs_dropout_prob=0.0,
     )
     model = transformers.LongformerForSequenceClassification(config).double()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     ids = torch.randint(4, 60, (4, 4), generator=g)  # N == T == the attention window
     kwargs = {"attention_mask": torch.ones(4, 4, dtype=torch.long)}
     kwargs["global_attention_mask"] = torch.zeros(4, 4, dtype=torch.long)
