@@ -5,7 +5,8 @@ the library creates without ``device=`` lands on the GPU there and the run canno
 user meets (whose default device stays the CPU). Two checks stand in for it on every machine:
 
 * a static one: every tensor factory in the library (``torch.zeros``, ``torch.tensor``, ...)
-  names its device, or is listed below with the reason it may be on the CPU;
+  names its device (``device="cpu"`` for a host tensor, which a user's default device must not
+  move either), or is listed below with the reason it follows the default device;
 * a simulated one: a model on the ``meta`` device (values-free, but a CPU tensor mixed into its
   results is an error or shows in ``.device``) is tracked through the paths that create
   tensors of their own: a module the loss does not reach (zeros for each of its examples).
@@ -47,44 +48,12 @@ FACTORIES = {
 }
 # not library code: scripts and the CLI build their data on the CPU and move it themselves
 OUTSIDE = ("_bench/", "cli/", "_digits.py")
-# (file, call) -> why this tensor may be a CPU tensor
-ON_THE_CPU = {
-    ("accumulate/_sizing.py", "torch.empty(0)"): "a default for next(): only its device is read",
-    ("accumulate/_window.py", "torch.tensor(scale, dtype=torch.float64)"): "a host scalar",
-    ("curvature/_base.py", "torch.tensor([0, *self._sizes])"): "host offsets (.tolist())",
-    ("curvature/_base.py", "torch.empty((), dtype=self.dtype)"): "a dtype's size or numpy dtype",
-    (
-        "curvature/_base.py",
-        "torch.randn(self.shape[0], 2, generator=g, dtype=torch.float64)",
-    ): "drawn on a CPU generator (the same on every device), then moved to the operator's",
-    (
-        "curvature/_estimators.py",
-        "torch.randint(0, 2 ** 62, (), dtype=torch.int64)",
-    ): "a seed, read on the host",
-    ("curvature/_fisher.py", "torch.randint(0, 2 ** 62, (), **kw)"): "a seed; kw names the device",
-    ("curvature/_lanczos.py", "torch.zeros(steps, dtype=torch.float64)"): "host tridiagonal",
-    ("curvature/_lanczos.py", "torch.zeros(probes, steps, dtype=torch.float64)"): "host nodes",
-    (
-        "curvature/_lanczos.py",
-        "torch.linspace(lo - pad, hi + pad, int(grid), dtype=torch.float64)",
-    ): "the density's grid, on the host with its nodes",
-    (
-        "curvature/_estimators.py",
-        "torch.as_tensor(self.op @ V.to(dtype=self.dtype, device=self.device))",
-    ): "the product's own device",
-    ("func/_hvp.py", "torch.empty((), dtype=self.dtype)"): "a dtype's numpy dtype",
-    (
-        "func/_independence.py",
-        "torch.randn(out.shape, generator=gen, dtype=out.dtype)",
-    ): "drawn on a CPU generator, then moved to the output's device",
+# (file, call) -> why this tensor follows torch's default device (a tensor meant for the host
+# names device="cpu": see tests/test_default_device.py)
+ON_THE_DEFAULT_DEVICE = {
+    ("accumulate/_sizing.py", "torch.empty(0)"): "a model without parameters: the default device",
+    ("curvature/_fisher.py", "torch.randint(0, 2 ** 62, (), **kw)"): "kw names the device",
     ("hyper/_projections.py", "torch.zeros(1, dtype=torch.float64)"): "probes a user's function",
-    ("per_example/_buffers.py", "torch.empty(1)"): "a storage's use count, once at import",
-    (
-        "per_example/_tracker.py",
-        "torch.tensor(value, dtype=torch.float32)",
-    ): "a GradScaler's scale rounded to float32, read on the host",
-    ("testing/_tolerance.py", "torch.as_tensor(a)"): "keeps a tensor's device",
-    ("testing/_tolerance.py", "torch.as_tensor(e)"): "keeps a tensor's device",
 }
 
 
@@ -107,15 +76,19 @@ def _factory_calls() -> list[tuple[str, str, int]]:
 
 def test_every_tensor_factory_names_its_device_or_says_why_not():
     calls = _factory_calls()
-    assert len(calls) >= len(ON_THE_CPU) // 2  # the walk finds them at all
-    unlisted = [f"{rel}:{n}: {call}" for rel, call, n in calls if (rel, call) not in ON_THE_CPU]
+    assert len(calls) >= len(ON_THE_DEFAULT_DEVICE) // 2  # the walk finds them at all
+    unlisted = [
+        f"{rel}:{n}: {call}" for rel, call, n in calls if (rel, call) not in ON_THE_DEFAULT_DEVICE
+    ]
     assert not unlisted, (
         "tensors created without device= (a CPU tensor beside a GPU model's): pass the device "
-        "of the tensors they go with, or list them in ON_THE_CPU with the reason\n"
+        "of the tensors they go with, or list them in ON_THE_DEFAULT_DEVICE with the reason\n"
         + "\n".join(unlisted)
     )
-    stale = set(ON_THE_CPU) - {(rel, call) for rel, call, _ in calls}
-    assert not stale, f"ON_THE_CPU lists calls the library no longer makes: {sorted(stale)}"
+    stale = set(ON_THE_DEFAULT_DEVICE) - {(rel, call) for rel, call, _ in calls}
+    assert not stale, (
+        f"ON_THE_DEFAULT_DEVICE lists calls the library no longer makes: {sorted(stale)}"
+    )
 
 
 class _Branches(nn.Module):

@@ -79,7 +79,7 @@ def float64_compensation(scaler: Any) -> float:
     if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
         return 1.0
     scale = float(scaler.get_scale())
-    inv32 = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+    inv32 = float(torch.tensor(scale, dtype=torch.float64, device="cpu").reciprocal().float())
     return scale * inv32
 
 

@@ -116,7 +116,7 @@ class CurvatureOperator(FlatVectors):
         self.blocks = None if parsed is None else [[self.names[i] for i in g] for g in parsed]
         self._masks: list[torch.Tensor] | None = None
         if parsed is not None:
-            bounds = torch.tensor([0, *self._sizes]).cumsum(0).tolist()
+            bounds = torch.tensor([0, *self._sizes], device="cpu").cumsum(0).tolist()
             self._masks = []
             for group in parsed:
                 mask = torch.zeros(n, dtype=self.dtype, device=self.device)
@@ -349,7 +349,7 @@ class CurvatureOperator(FlatVectors):
         return torch.cat([self._matmat(eye[:, i : i + chunk]) for i in range(0, n, chunk)], 1)
 
     def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.dtype, device="cpu").element_size()
 
     def to_scipy(self) -> Any:
         """A ``scipy.sparse.linalg.LinearOperator`` (numpy in and out) for scipy's solvers."""
@@ -364,7 +364,7 @@ class CurvatureOperator(FlatVectors):
             t = torch.as_tensor(np.asarray(V), device=self.device)
             return self.matmat(t).detach().cpu().numpy()
 
-        dtype = torch.empty((), dtype=self.dtype).numpy().dtype
+        dtype = torch.empty((), dtype=self.dtype, device="cpu").numpy().dtype
         return LinearOperator(self.shape, matvec=mv, rmatvec=mv, matmat=mm, dtype=dtype)
 
     def check_deterministic(self, *, rtol: float | None = None) -> None:
@@ -381,7 +381,7 @@ class CurvatureOperator(FlatVectors):
         tol = rtol if rtol is not None else 1e3 * tolerances(self.dtype)[0]
         self._check_params()
         g = torch.Generator(device="cpu").manual_seed(0)
-        v = torch.randn(self.shape[0], 2, generator=g, dtype=torch.float64)
+        v = torch.randn(self.shape[0], 2, generator=g, dtype=torch.float64, device="cpu")
         v = v.to(device=self.device, dtype=self.dtype)  # drawn on the CPU: the same everywhere
         kept, self._point = self._point, None  # rebuild from the data each time
         try:

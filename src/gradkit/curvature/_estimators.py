@@ -98,7 +98,9 @@ class LinearOp:
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         self.products += V.shape[1] if V.dim() == 2 else 1
-        res = torch.as_tensor(self.op @ V.to(dtype=self.dtype, device=self.device))
+        res = self.op @ V.to(dtype=self.dtype, device=self.device)
+        if not isinstance(res, torch.Tensor):  # as_tensor would move a tensor to the default device
+            res = torch.as_tensor(res, device=self.device)
         if not bool(torch.isfinite(res).all()):
             raise GradkitError(
                 f"{self.call}: a product of the operator with finite probe vectors has nan or "
@@ -122,7 +124,7 @@ def probe_generator(generator: torch.Generator | None, call: str) -> torch.Gener
     then makes estimates reproducible)."""
     checked = check_generator(generator, call)
     if checked is None:
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
         return torch.Generator().manual_seed(seed)
     return checked
 

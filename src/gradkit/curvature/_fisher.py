@@ -183,7 +183,7 @@ class Fisher(CurvatureOperator):
             if not callable(lik):
                 check_choice(lik, ("categorical", "gaussian"), call, "likelihood")
             self.likelihood = lik
-        kw: dict[str, Any] = {"dtype": torch.int64}
+        kw: dict[str, Any] = {"dtype": torch.int64, "device": "cpu"}
         if generator is not None:
             kw.update(generator=generator, device=generator.device)
         self._seed = int(torch.randint(0, 2**62, (), **kw))

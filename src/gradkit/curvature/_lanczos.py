@@ -71,8 +71,8 @@ def _lanczos(
     """
     n = A.n
     Q = torch.zeros(steps, n, dtype=torch.float64, device=A.device)
-    alpha = torch.zeros(steps, dtype=torch.float64)
-    beta = torch.zeros(steps, dtype=torch.float64)
+    alpha = torch.zeros(steps, dtype=torch.float64, device="cpu")
+    beta = torch.zeros(steps, dtype=torch.float64, device="cpu")
     q = v0 / torch.linalg.vector_norm(v0)
     scale = 0.0
     m = 0
@@ -341,8 +341,8 @@ def spectral_density(
         grid = check_int(grid, call, "grid", low=2, example=1000)
     steps = min(steps, A.n)
     gen = probe_generator(generator, call)
-    nodes = torch.zeros(probes, steps, dtype=torch.float64)
-    weights = torch.zeros(probes, steps, dtype=torch.float64)
+    nodes = torch.zeros(probes, steps, dtype=torch.float64, device="cpu")
+    weights = torch.zeros(probes, steps, dtype=torch.float64, device="cpu")
     for p in range(probes):
         z = torch.randint(0, 2, (A.n,), generator=gen, device=gen.device).to(torch.float64)
         alpha, beta, _ = _lanczos(A, (2 * z - 1).to(A.device), steps, gen=None)
@@ -356,7 +356,7 @@ def spectral_density(
         points = grid.to(torch.float64).cpu().reshape(-1)
     else:
         pad = 5 * sigma
-        points = torch.linspace(lo - pad, hi + pad, int(grid), dtype=torch.float64)
+        points = torch.linspace(lo - pad, hi + pad, int(grid), dtype=torch.float64, device="cpu")
     density = torch.zeros_like(points)
     for p in range(probes):  # [G, steps] at a time
         kernel = torch.exp(-0.5 * ((points[:, None] - nodes[p]) / sigma) ** 2)

@@ -358,7 +358,7 @@ class HVPOperator:
             t = torch.as_tensor(np.asarray(V), dtype=self.dtype, device=self.device)
             return self.matmat(t).detach().cpu().numpy()
 
-        dtype = torch.empty((), dtype=self.dtype).numpy().dtype
+        dtype = torch.empty((), dtype=self.dtype, device="cpu").numpy().dtype
         return LinearOperator(self.shape, matvec=mv, rmatvec=mv, matmat=mm, dtype=dtype)
 
 

@@ -47,7 +47,9 @@ def _use_count(t: torch.Tensor) -> int:
 
 
 _HAS_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
-_ALONE = _use_count(torch.empty(1)) if _HAS_USE_COUNT else -1  # one tensor, nothing else
+_ALONE = (
+    _use_count(torch.empty(1, device="cpu")) if _HAS_USE_COUNT else -1
+)  # one tensor, nothing else
 
 
 def _free(t: torch.Tensor) -> bool:

@@ -145,7 +145,7 @@ def _parse_loss_scale(value: Any, call: str) -> float:
     # a GradScaler multiplies the loss by its float32 scale tensor; before its first scale()
     # get_scale() gives the init_scale as given (3.7, not float32's 3.700000047...: the
     # statistics of a float64 model 1.3e-8 off)
-    return float(torch.tensor(value, dtype=torch.float32)) if scaler else value
+    return float(torch.tensor(value, dtype=torch.float32, device="cpu")) if scaler else value
 
 
 def _named_parameters(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Parameter]]:

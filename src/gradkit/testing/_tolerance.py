@@ -50,6 +50,12 @@ def tolerances(dtype: torch.dtype, *, long_reduction: bool = False) -> tuple[flo
     return rtol, atol
 
 
+def _tensor(value: Any) -> torch.Tensor:
+    """``value`` as a tensor; a tensor as it is (``torch.as_tensor`` would move it to the
+    default device)."""
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
+
+
 def _flatten(value: Any, prefix: str) -> list[tuple[str, Any]]:
     if isinstance(value, Mapping):
         return [item for k, v in value.items() for item in _flatten(v, f"{prefix}[{k!r}]")]
@@ -89,7 +95,7 @@ def assert_close(
             if a is not e:
                 problems.append(f"  {key}: {a!r} vs {e!r}")
             continue
-        a_t, e_t = torch.as_tensor(a), torch.as_tensor(e)
+        a_t, e_t = _tensor(a), _tensor(e)
         if a_t.is_sparse:
             a_t = a_t.to_dense()
         if e_t.is_sparse:
