@@ -140,12 +140,12 @@ def test_nonfinite_window_is_skipped():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_amp_grad_scaler_unscales_once():
+def test_amp_grad_scaler_unscales_once(device):
     model = model_fn()
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     want = full_batch(model, lambda m: F.mse_loss(m(x), y, reduction="sum") / 6)
     opt = Capture(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
     acc = Accumulator(model, opt, scaler=scaler)
     for xb, yb in acc.split((x, y), micro_batch_size=4):
         with acc.micro_step():

@@ -98,11 +98,11 @@ def test_float64_window_equals_full_batch_to_1e_12(normalize, max_grad_norm):
     close(opt.seen[0], [g * factor for g in want])
 
 
-def test_float64_with_a_non_power_of_two_amp_scale():
+def test_float64_with_a_non_power_of_two_amp_scale(device):
     want, _ = want_of("tokens")
     model = lm()
     opt = Capture(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)  # 1/1000 is inexact in float32
+    scaler = torch.amp.GradScaler(device.type, init_scale=1000.0)  # 1/1000 is inexact in float32
     assert run_window(model, opt, "tokens", scaler=scaler).stepped
     close(opt.seen[0], want)
 

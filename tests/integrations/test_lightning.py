@@ -14,10 +14,15 @@ lightning = pytest.importorskip("lightning")
 from gradkit.integrations.lightning import GradientMonitorCallback  # noqa: E402
 
 # Lightning's own use of torch internals that torch 2.13 deprecates
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
-    "ignore:.*does not have many workers:UserWarning",
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
+        "ignore:.*does not have many workers:UserWarning",
+    ),
+    # the Trainer places the model and the batches itself (accelerator="cpu" here, its CPU
+    # GradScaler standing in for CUDA's); a run on a GPU's trainer is a check of its own
+    pytest.mark.cpu_only,
+]
 
 D = torch.float64
 N, B = 48, 4

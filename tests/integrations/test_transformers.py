@@ -16,6 +16,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+# the Trainer places the model and the batches itself (use_cpu=True here, a CPU GradScaler
+# standing in for CUDA's); a run of its GPU path is a check of its own
+pytestmark = pytest.mark.cpu_only
+
 from gradkit.integrations.transformers import monitor_trainer  # noqa: E402
 
 D = torch.float64

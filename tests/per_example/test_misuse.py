@@ -891,7 +891,7 @@ def test_autograd_grad_wrt_every_parameter_counts():
 
 
 @pytest.mark.parametrize("how", ["grad_scaler", "grad_scaler_3.7", "divided"])
-def test_loss_scale_divides_out_a_scaled_loss(how):
+def test_loss_scale_divides_out_a_scaled_loss(how, device):
     """GradScaler.scale(loss).backward() and (loss / k).backward() backpropagate a multiple of
     the loss: declared as loss_scale, the statistics are those of the loss itself (undeclared,
     those of the multiple: checked too, so that the test would see the factor dropped)."""
@@ -902,7 +902,7 @@ def test_loss_scale_divides_out_a_scaled_loss(how):
         # a scale that is no power of two: the scaler multiplies by its float32 value, while
         # get_scale() before the first scale() gives the number it was built with (1.3e-8 off)
         init = 3.7 if how.endswith("3.7") else 2.0**10
-        scaler = torch.amp.GradScaler("cpu", init_scale=init)
+        scaler = torch.amp.GradScaler(device.type, init_scale=init)
         factor = float(torch.tensor(init, dtype=torch.float32))
         scaled, declared = (lambda: scaler.scale(loss_of())), scaler
     else:
