@@ -82,7 +82,9 @@ def oracle(model, ids):
     ratios = (mean[ok].square() / var[ok]).sort().values
     k = len(ratios) // 2  # the median: the middle value, or the mean of the two middle ones
     snr = float(ratios[k]) if len(ratios) % 2 else float((ratios[k - 1] + ratios[k]) / 2)
-    return float(var.sum() / mean.square().sum()), snr, float(var.sum()), float(mean.norm())
+    signal = float(mean.square().sum() - var.sum() / len(g))  # |G|^2 without bias
+    scale = float(var.sum()) / signal if signal > 0 else None  # None: not resolved
+    return scale, snr, float(var.sum()), float(mean.norm())
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -121,17 +123,17 @@ def test_trainer_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path, a
     reference.load_state_dict(start)
     ids = torch.cat([b["input_ids"] for b in recorder.batches[:accumulation]])
     scale, snr, variance, norm = oracle(reference, ids)
-    assert first["noise_scale"] == pytest.approx(scale, rel=1e-8)
+    assert first["noise_scale"] == (None if scale is None else pytest.approx(scale, rel=1e-8))
     assert first["snr_median"] == pytest.approx(snr, rel=1e-6)  # a median of ratios
     # the individual gradients are the examples' own ones scaled so that their mean is the
     # gradient the Trainer applied (its own divisor of the summed token losses)
     c = first["grad_norm"] / norm
     assert first["grad_variance"] == pytest.approx(c**2 * variance, rel=1e-8)
     # the Trainer's own log: its pre-clipping gradient norm, and the monitor's metrics
-    logged = [h for h in trainer.state.log_history if "gradkit/noise_scale" in h]
+    logged = [h for h in trainer.state.log_history if "gradkit/grad_norm" in h]
     assert [h["step"] for h in logged] == [1, 3]
     assert logged[0]["gradkit/grad_norm"] == pytest.approx(float(logged[0]["grad_norm"]), rel=1e-6)
-    assert logged[0]["gradkit/noise_scale"] == first["noise_scale"]
+    assert logged[0].get("gradkit/noise_scale") == first["noise_scale"]  # None: not logged
     assert all(math.isfinite(v) for k, v in logged[0].items() if k.startswith("gradkit/"))
     assert not any(k.startswith("gradkit/layers/") for k in logged[0])  # log_layers=False
     assert "layers" in records[0]  # the writer's records keep them
@@ -170,4 +172,5 @@ def test_an_fp16_gradscaler_is_divided_out_of_the_statistics(tmp_path):
     plain = first_record(None)
     scaled = first_record(torch.amp.GradScaler("cpu", init_scale=1024.0))
     for key in ("grad_norm", "grad_variance", "example_norm_q50", "noise_scale"):
-        assert scaled[key] == pytest.approx(plain[key], rel=1e-9), key
+        want = None if plain[key] is None else pytest.approx(plain[key], rel=1e-9)
+        assert scaled[key] == want, key

@@ -37,6 +37,7 @@ def per_example(model, x, y):
 
 
 def reduced(g: dict[str, torch.Tensor]) -> dict[str, float]:
+    n = next(iter(g.values())).shape[0]
     mean = torch.cat([v.mean(0).reshape(-1) for v in g.values()])
     var = torch.cat([v.var(0, unbiased=True).reshape(-1) for v in g.values()])
     second = torch.cat([v.square().mean(0).reshape(-1) for v in g.values()])
@@ -46,7 +47,8 @@ def reduced(g: dict[str, torch.Tensor]) -> dict[str, float]:
     return {
         "grad_norm": float(mean.norm()),
         "grad_variance": float(var.sum()),
-        "noise_scale": float(var.sum() / mean.square().sum()),
+        # |G|^2 without bias: E|mean|^2 = |G|^2 + tr(Sigma) / N
+        "noise_scale": float(var.sum() / (mean.square().sum() - var.sum() / n)),
         "snr_median": middle(mean[ok].square() / var[ok]),
     }
 

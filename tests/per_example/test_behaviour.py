@@ -453,7 +453,8 @@ def test_derived_quantities_match_definitions():
     with track(model, "variance") as stats:
         ((model(x) - y) ** 2).sum(1).mean().backward()
     tr = sum(float(g.var(0, unbiased=True).sum()) for g in ref.values())
-    g2 = sum(float(g.mean(0).square().sum()) for g in ref.values())
+    # |G|^2 without bias: E|mean|^2 = |G|^2 + tr(Sigma) / N
+    g2 = sum(float(g.mean(0).square().sum()) for g in ref.values()) - tr / 10
     assert gradkit.per_example.noise_scale(stats) == pytest.approx(tr / g2, rel=1e-10)
     snr = gradkit.per_example.gradient_snr(stats)
     w = ref["weight"]

@@ -218,11 +218,18 @@ class AdaptiveBatchSize:
     ``"variance"`` tracked):
 
     * ``"cabs"`` (Balles et al. 2017): ``B = lr * tr(Sigma) / loss``;
-    * ``"noise_scale"`` (McCandlish et al. 2018): ``B = tr(Sigma) / |G|^2``.
+    * ``"noise_scale"`` (McCandlish et al. 2018): ``B = tr(Sigma) / |G|^2``, both estimated
+      without bias in each window (see :func:`gradkit.per_example.noise_scale`) and smoothed
+      separately, as the paper does: a window's ratio is noisy where ``B`` is well above the
+      window's size (its ``|G|^2`` is a small difference of large numbers, sometimes
+      negative), the ratio of the smoothed parts is not. While the smoothed ``|G|^2`` is not
+      positive (the windows are too small to resolve the signal from the noise), the number
+      of micro-batches doubles at each update.
 
     The estimate is smoothed (exponential moving average), turned into a number of
     micro-batches ``ceil(B / micro_batch_size)`` and clipped to ``[min_micro, max_micro]``.
-    Every update is logged in :attr:`history`.
+    Every update is logged in :attr:`history` (``estimate``: the window's own, ``smoothed``:
+    the one used; either may be ``inf``).
 
     Examples:
         >>> import torch
@@ -245,6 +252,7 @@ class AdaptiveBatchSize:
     num_micro: int = 1
     history: list[dict[str, float]] = field(default_factory=list)
     _ema: float | None = None
+    _parts: tuple[float, float] | None = None  # the smoothed (tr(Sigma), |G|^2) of noise_scale
 
     def __post_init__(self) -> None:
         call = "AdaptiveBatchSize(...)"
@@ -303,11 +311,12 @@ class AdaptiveBatchSize:
                 the window: a non-empty mapping of parameter names to statistics.
             loss: the window's mean loss (a positive number; ``rule="cabs"`` only).
 
-        A non-finite estimate (e.g. a zero mean gradient) leaves the smoothed estimate as it
-        was; it is still logged in :attr:`history`.
+        A window whose statistics cannot move the estimate (every gradient 0, non-finite
+        values; for CABS any non-finite estimate) leaves the smoothed estimate as it was; it is
+        still logged in :attr:`history`.
         """
-        from gradkit.per_example import ParamStats, noise_scale
-        from gradkit.per_example._derived import cabs_estimate
+        from gradkit.per_example import ParamStats
+        from gradkit.per_example._derived import _ratio, cabs_estimate, noise_parts
 
         call = "AdaptiveBatchSize.update(stats, loss)"
         if (
@@ -354,16 +363,24 @@ class AdaptiveBatchSize:
                 )
             assert self.lr is not None
             estimate = cabs_estimate(stats, self.lr, loss, None, call)
+            if math.isfinite(estimate):
+                self._ema = self._smooth(self._ema, estimate)
         else:
-            estimate = noise_scale(stats)
-        if math.isfinite(estimate):
-            self._ema = (
-                estimate
-                if self._ema is None
-                else (self.smoothing * self._ema + (1 - self.smoothing) * estimate)
-            )
+            trace, g2 = noise_parts(stats, None, call)
+            estimate = _ratio(trace, g2)
+            if math.isfinite(trace) and math.isfinite(g2) and (trace or g2):
+                old = self._parts
+                self._parts = (
+                    (trace, g2)
+                    if old is None
+                    else (self._smooth(old[0], trace), self._smooth(old[1], g2))
+                )
+                self._ema = _ratio(*self._parts)
         target = self._ema if self._ema is not None else float(self.micro_batch_size)
-        wanted = math.ceil(max(target, 1.0) / self.micro_batch_size)
+        if math.isfinite(target):
+            wanted = math.ceil(max(target, 1.0) / self.micro_batch_size)
+        else:  # noise without a resolved signal: a window too small to measure it
+            wanted = 2 * self.num_micro
         self.num_micro = min(max(wanted, self.min_micro), self.max_micro)
         self.history.append(
             {
@@ -375,3 +392,6 @@ class AdaptiveBatchSize:
             }
         )
         return self.num_micro
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else self.smoothing * old + (1 - self.smoothing) * new

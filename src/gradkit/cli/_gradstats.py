@@ -11,10 +11,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradkit.per_example import noise_scale, track
-from gradkit.per_example._derived import largest_second_moment, median, snr_ratios
+from gradkit.per_example import track
+from gradkit.per_example._derived import (
+    _ratio,
+    largest_second_moment,
+    median,
+    noise_parts,
+    snr_ratios,
+)
 
 __all__ = ["GradStatsRecorder", "gradient_stats_markdown"]
+
+
+SMOOTHING = 0.5
+"""The demo's moving averages of ``tr(Sigma)`` and ``|G|^2`` over tracked steps (as
+``AdaptiveBatchSize``'s default): one step of 32 examples does not resolve a noise scale much
+above 32."""
+
+
+def _parts(stats: Any, names: list[str] | None) -> dict[str, float]:
+    trace, signal = noise_parts(stats, names, "demo")
+    return {"noise_scale": _ratio(trace, signal), "trace": trace, "signal": signal}
 
 
 class GradStatsRecorder:
@@ -59,7 +76,7 @@ class GradStatsRecorder:
             ratios = [snr_ratios(stats[n], largest) for n in names]
             joined = torch.cat(ratios) if ratios else torch.empty(0)
             per_layer[layer] = {
-                "noise_scale": noise_scale(stats, names),
+                **_parts(stats, names),
                 # the median over the entries of the layer's parameters (the text says so)
                 "snr": median(joined) if joined.numel() else float("nan"),
             }
@@ -68,12 +85,30 @@ class GradStatsRecorder:
             {
                 "step": step,
                 "batch": stats.num_examples,
-                "noise_scale": noise_scale(stats),
+                **_parts(stats, None),
                 "layers": per_layer,
                 "norm_median": float(norms.median()),
                 "norm_max": float(norms.max()),
             }
         )
+
+
+def smoothed(parts: list[dict[str, float]]) -> list[float]:
+    """The noise scale after each step from moving averages of its two parts (``trace`` and
+    ``signal``, see :func:`gradkit.per_example._derived.noise_parts`); ``inf`` while the
+    averaged signal is not positive."""
+    out, trace, signal = [], None, None
+    for part in parts:
+        trace = (
+            part["trace"] if trace is None else SMOOTHING * trace + (1 - SMOOTHING) * part["trace"]
+        )
+        signal = (
+            part["signal"]
+            if signal is None
+            else SMOOTHING * signal + (1 - SMOOTHING) * part["signal"]
+        )
+        out.append(_ratio(trace, signal))
+    return out
 
 
 def _figure(records: list[dict[str, Any]]) -> Any:
@@ -84,10 +119,8 @@ def _figure(records: list[dict[str, Any]]) -> Any:
     steps = [r["step"] for r in records]
     for layer in records[0]["layers"]:
         ax_snr.plot(steps, [r["layers"][layer]["snr"] for r in records], label=f"layer {layer}")
-        ax_ns.plot(
-            steps, [r["layers"][layer]["noise_scale"] for r in records], label=f"layer {layer}"
-        )
-    ax_ns.plot(steps, [r["noise_scale"] for r in records], "k--", label="whole model")
+        ax_ns.plot(steps, smoothed([r["layers"][layer] for r in records]), label=f"layer {layer}")
+    ax_ns.plot(steps, smoothed(records), "k--", label="whole model")
     ax_snr.set(
         xlabel="training step",
         ylabel="median gradient SNR",
@@ -98,7 +131,7 @@ def _figure(records: list[dict[str, Any]]) -> Any:
         xlabel="training step",
         ylabel="B_simple (examples)",
         yscale="log",
-        title="gradient noise scale",
+        title="gradient noise scale (smoothed)",
     )
     ax_ns.legend(fontsize=7)
     fig.tight_layout()
@@ -109,10 +142,14 @@ def gradient_stats_markdown(recorder: GradStatsRecorder) -> tuple[str, Any, dict
     """Markdown, figure and metrics for the section (from the recorder's records)."""
     records = recorder.records
     last = records[-1]
+    layer_scales = {
+        layer: smoothed([r["layers"][layer] for r in records])[-1] for layer in last["layers"]
+    }
     rows = "\n".join(
-        f"| {layer} | {v['snr']:.3g} | {v['noise_scale']:.3g} |"
+        f"| {layer} | {v['snr']:.3g} | {layer_scales[layer]:.3g} |"
         for layer, v in last["layers"].items()
     )
+    model_scale = smoothed(records)[-1]
     tracked = float(torch.tensor(recorder.tracked_seconds).median())
     plain = float(torch.tensor(recorder.plain_seconds).median()) if recorder.plain_seconds else 0
     ratio = f"{tracked / plain:.2f}x" if plain > 0 else "n/a"
@@ -124,14 +161,19 @@ one, medians over this run, forward and backward only).
 
 The gradient noise scale `B_simple = tr(Σ) / |G|²` (McCandlish et al. 2018) is the batch size
 at which the noise of the mini-batch gradient matches its signal: above it, larger batches
-buy little. The SNR of an entry is `mean² / variance` (Liu et al. 2020); the table and plot
-show its median over the entries of each layer.
+buy little. Each tracked step estimates `tr(Σ)` and `|G|²` without bias (`|G|²` as
+`|mean|² - tr(Σ) / N`: the plain `|mean|²` would pull every estimate to about the batch size);
+one step of {last["batch"]} examples resolves little above {last["batch"]}, so the table and plot
+show the ratio of their moving averages over the tracked steps (factor {SMOOTHING}, as
+`AdaptiveBatchSize` smooths them). The SNR of an entry is `mean² / variance` (Liu et al.
+2020); the table and plot show its median over the entries of each layer at the last tracked
+step.
 
-| layer (last tracked step {last["step"]}) | median SNR | noise scale |
+| layer (tracked steps up to {last["step"]}) | median SNR | noise scale |
 |---|---|---|
 {rows}
 
-Whole model: noise scale **{last["noise_scale"]:.3g}** examples at a batch of {last["batch"]};
+Whole model: noise scale **{model_scale:.3g}** examples (batch {last["batch"]});
 per-example gradient norms: median {last["norm_median"]:.3g}, max {last["norm_max"]:.3g}.
 
 {{{{figure:gradient_stats}}}}

@@ -267,7 +267,7 @@ class GradientMonitor:
             stats.all_reduce(self.group)
         loss = current.loss
         if isinstance(loss, torch.Tensor):
-            loss = float(loss.detach().float().mean())
+            loss = float(loss.detach().double().mean())  # a float64 loss kept to the last digit
         norms = stats.batch_l2() if "batch_l2" in self.quantities else None
         record = summarize(
             stats,

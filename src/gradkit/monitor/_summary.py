@@ -6,7 +6,9 @@ covariance, over the ``N`` examples of the step, all ranks merged):
 
 * ``grad_norm``: ``|G|``;
 * ``grad_variance``: ``tr(Sigma)``, the summed variance of the individual gradients;
-* ``noise_scale``: ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018);
+* ``noise_scale``: ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018), ``|G|^2``
+  estimated without bias as ``|mean|^2 - tr(Sigma) / N`` (``None`` when that is not positive:
+  the step does not resolve the mean gradient from the noise);
 * ``snr_median``: the median over the parameters' entries of ``G_j^2 / Sigma_jj``, leaving
   out the entries whose ratio would be rounding noise: a variance below ``c E[g_j^2]`` (within
   the rounding of ``E[g^2] - G^2``) or gradients with ``E[g_j^2] < c^2 max_k E[g_k^2]`` over
@@ -34,7 +36,7 @@ import torch
 
 from gradkit.per_example import ParamStats
 from gradkit.per_example._derived import _ratio as ratio
-from gradkit.per_example._derived import largest_second_moment, median, snr_ratios
+from gradkit.per_example._derived import largest_second_moment, median, signal, snr_ratios
 
 __all__ = ["QUANTILES", "summarize"]
 
@@ -52,11 +54,13 @@ def _finite(x: float) -> float | None:
 
 @dataclass
 class _Parts:
-    """One parameter's share of the sums: ``tr(Sigma)``, ``|G|^2`` (of the unscaled individual
-    gradients) and the SNR ratios of its entries that are not rounding noise."""
+    """One parameter's share of the sums: ``tr(Sigma)``, ``|mean|^2``, the unbiased estimate
+    of ``|G|^2`` (see :func:`~gradkit.per_example._derived.signal`), all of the unscaled
+    individual gradients, and the SNR ratios of its entries that are not rounding noise."""
 
     trace: float
     norm2: float
+    signal: float
     ratios: torch.Tensor
 
 
@@ -64,9 +68,9 @@ def _parts(s: ParamStats, largest: torch.Tensor | float) -> _Parts:
     mean = s.mean
     norm2 = float(mean.square().sum(dtype=torch.float64))
     if s.num_examples < 2:  # one example: no variance (NaN, logged as null), no ratios
-        return _Parts(math.nan, norm2, mean.new_empty(0, dtype=torch.float64))
+        return _Parts(math.nan, norm2, math.nan, mean.new_empty(0, dtype=torch.float64))
     var = float(s.var(unbiased=True).sum(dtype=torch.float64))
-    return _Parts(var, norm2, snr_ratios(s, largest))
+    return _Parts(var, norm2, signal(norm2, var, s.num_examples), snr_ratios(s, largest))
 
 
 def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
@@ -74,12 +78,13 @@ def _reduce(parts: Sequence[_Parts], scale: float) -> dict[str, float | None]:
     individual gradients multiplied by ``scale`` (the ratios do not depend on it)."""
     trace = sum(p.trace for p in parts) * scale**2
     norm2 = sum(p.norm2 for p in parts) * scale**2
+    g2 = sum(p.signal for p in parts) * scale**2
     ratios = [p.ratios for p in parts if p.ratios.numel()]
     joined = torch.cat(ratios) if len(ratios) > 1 else (ratios[0] if ratios else None)
     return {
         "grad_norm": math.sqrt(norm2),
         "grad_variance": _finite(trace),
-        "noise_scale": _finite(ratio(trace, norm2)),
+        "noise_scale": _finite(ratio(trace, g2)),
         "snr_median": None if joined is None else _finite(median(joined)),
     }
 
@@ -97,7 +102,7 @@ def summarize(
     """One step's record (plain numbers: ready for JSON, TensorBoard or a callable), the
     individual gradients taken times ``scale``."""
     params = list(stats.values())
-    n = params[0].num_examples if params else 0
+    n = max((s.num_examples for s in params), default=0)  # as stats.num_examples
     largest = largest_second_moment(params)
     parts = {name: _parts(s, largest) for name, s in stats.items()}
     record: dict[str, Any] = {"step": step, "examples": n}
