@@ -66,6 +66,9 @@ class ModelCall:
     # "name (Class)" (see moved_batch)
     dims: dict[Any, tuple[int, str]] = field(default_factory=dict)
     source: Any = None  # the input n was read from, for the whole model call (moved_batch)
+    in_order: set[Any] = field(default_factory=set)  # (node, dim) row_order walked, in order
+    # output node of a tracked call whose input rows were reordered -> their order (row_order)
+    row_orders: dict[Any, Any] = field(default_factory=dict)
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -190,55 +193,376 @@ def _expand(t: torch.Tensor, d: int, n: int) -> torch.Tensor:
 
 
 _RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
-_ALONG = ("SelectBackward", "SliceBackward", "SqueezeBackward", "NarrowBackward", "SumBackward",
-          "MeanBackward", "ProdBackward", "AmaxBackward", "AminBackward", "MaxBackward",
-          "MinBackward", "CumsumBackward", "CumprodBackward", "LogsumexpBackward")  # fmt: skip
-_WHOLE = ("SumBackward0", "MeanBackward0", "ProdBackward0", "IndexBackward0")
-
-
-def _along_batch(node: Any, dim: int) -> bool:
-    """Whether ``node`` indexes or reduces its input along ``dim`` (or as a whole)."""
-    name = type(node).__name__
-    if name in _WHOLE:
-        return True
-    if not name.startswith(_ALONG):
-        return False
-    saved = getattr(node, "_saved_dim", None)
-    if saved is None:
-        return True  # reduces everything
-    rank = len(getattr(node, "_saved_self_sym_sizes", ())) or None
-    dims = saved if isinstance(saved, tuple) else (saved,)
-    return any((int(d) % rank if rank else int(d)) == dim for d in dims)
 
 
 def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
-    """Turn into mismatches the expanded calls of ``model`` whose expanded output the model
-    indexes or reduces along the batch dimension (``pe[0]``, ``pe.sum(0)``) instead of
-    broadcasting it: split by example, they would not be what the model computes untracked.
-    One walk over the graph the model call built, only when something was expanded."""
+    """Turn into mismatches the expanded calls of ``model`` whose expanded output reaches the
+    model's output through an operation that does not treat its examples apart, as
+    broadcasting does (:func:`_keeps_examples`): indexing or reducing along the batch
+    (``pe[0]``, ``pe.sum(0)``), a transpose into a product (``h @ q.T``), a softmax over the
+    batch. Split by example, such a call would not be what the model computes untracked (and
+    the expansion itself changes the model's output where a product contracts the batch). One
+    walk over the graph the model call built, only when something was expanded."""
     if not model.expanded:
         return
     targets = {node: (call, dim) for call, node, dim, _ in model.expanded}
-    stack = [t.grad_fn for t in flat_leaves(output) if isinstance(t, torch.Tensor)]
-    seen: set[Any] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
+    tops = [t.grad_fn for t in flat_leaves(output) if isinstance(t, torch.Tensor)]
+    # per node: the expanded calls it depends on (through the nodes that keep examples apart)
+    reach: dict[Any, frozenset[Any]] = {}
+    stack: list[tuple[Any, bool]] = [(node, False) for node in tops if node is not None]
+    while stack:  # depth first, each node settled after its children
+        node, children_done = stack.pop()
+        if node in reach:
             continue
-        seen.add(node)
-        for nxt, _ in node.next_functions:
-            if nxt in targets:
-                call, dim = targets[nxt]
-                if _along_batch(node, dim) and call.mode != "mismatch":
+        nexts = [(k, nxt) for k, (nxt, _) in enumerate(node.next_functions) if nxt is not None]
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((nxt, False) for _, nxt in nexts if nxt not in reach)
+            continue
+        found: set[Any] = set()
+        for k, nxt in nexts:
+            below = {nxt} if nxt in targets else set(reach.get(nxt, ()))
+            if not below:
+                continue
+            if node in model.dims:  # a tracked call on the expanded rows: split by example
+                continue
+            for target in below:
+                call, dim = targets[target]
+                shape = _output_shape(nxt)
+                rank = len(shape) if shape is not None else None
+                if call.mode != "mismatch" and not _keeps_examples(node, k, dim, call.n, rank):
                     call.mode = "mismatch"
                     call.problem = (
-                        "has an output that broadcasts over the batch (batch size 1, expanded to "
-                        f"the {call.n} examples of the model call), but the model takes it "
-                        f"through {type(node).__name__} along the batch dimension instead of "
-                        "broadcasting it"
+                        "has an output that broadcasts over the batch (batch size 1, expanded "
+                        f"to the {call.n} examples of the model call), but the model takes it "
+                        f"through {type(node).__name__}, which does not keep the examples apart "
+                        "as broadcasting does (it indexes, reduces, transposes or multiplies "
+                        "along the batch dimension)"
                     )
-            elif nxt is not None:
-                stack.append(nxt)
+            found |= below
+        reach[node] = frozenset(found)
+
+
+# operations that act on each entry, or broadcast elementwise: the examples stay apart
+_PER_ENTRY = frozenset(
+    [
+        "Abs",
+        "Add",
+        "Addcdiv",
+        "Addcmul",
+        "Atan",
+        "Clamp",
+        "ClampMax",
+        "ClampMin",
+        "Clone",
+        "Cos",
+        "Cosh",
+        "Div",
+        "Elu",
+        "Erf",
+        "Exp",
+        "Expm1",
+        "Gelu",
+        "Hardsigmoid",
+        "Hardswish",
+        "Hardtanh",
+        "LeakyRelu",
+        "Lerp",
+        "Log",
+        "Log1p",
+        "LogSigmoid",
+        "Maximum",
+        "Minimum",
+        "Mish",
+        "Mul",
+        "NativeDropout",
+        "Neg",
+        "Pow",
+        "Reciprocal",
+        "Relu",
+        "Rsqrt",
+        "Rsub",
+        "Sigmoid",
+        "Sign",
+        "Silu",
+        "Sin",
+        "Sinh",
+        "Softplus",
+        "Sqrt",
+        "Sub",
+        "Tanh",
+        "Threshold",
+        "ToCopy",
+        "Where",
+    ]
+)
+# products whose first operand's rows stay rows of the result (input index of that operand)
+_ROWS_OF = {"Mm": 0, "Addmm": 1, "Mv": 0, "Addmv": 1}
+# products over a leading batch dimension shared by both operands
+_BATCHED = frozenset({"Bmm", "Baddbmm"})
+
+
+def _op(node: Any) -> str:
+    """``"Add"`` for ``AddBackward0``."""
+    return type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+
+
+def _saved_dims(node: Any, rank: int | None) -> tuple[int, ...] | None:
+    """The dimensions ``node`` acts along (its ``_saved_dim``), non-negative where the input's
+    ``rank`` is known; None where it acts on the whole tensor. Torch keeps a negative dimension
+    as an unsigned 64-bit integer (``-1`` as ``2**64 - 1``)."""
+    return _saved_dims_named(node, "_saved_dim", rank)
+
+
+def _keeps_examples(node: Any, k: int, dim: int, n: int, rank: int | None) -> bool:
+    """Whether ``node``'s forward treats the examples of its ``k``-th input apart, leaving them
+    where they were: ``n`` of them in dimension ``dim`` of that input, of ``rank`` dimensions
+    (None: unknown). Unknown operations do not: the caller refuses rather than guesses."""
+    op = _op(node)
+    if op in _PER_ENTRY:
+        return True
+    if op in _ALONG_DIMS:
+        dims = _saved_dims(node, rank)
+        return dims is not None and dim not in dims
+    if op == "Unsqueeze":
+        dims = _saved_dims(node, rank + 1 if rank else None)
+        return dims is not None and all(d >= 0 and d > dim for d in dims)
+    if op in _RESHAPE_OPS:
+        shape = _output_shape(node)
+        if shape is None:  # a torch that does not record it: as before, trusted
+            return True
+        # the examples in place, or merged with the positions after them into rows
+        return len(shape) > dim and (shape[dim] == n or (dim == 0 and shape[0] % n == 0))
+    if op == "NativeLayerNorm":  # normalizes trailing dimensions
+        normalized = len(getattr(node, "_saved_normalized_shape", ()) or ())
+        return rank is None or dim < rank - normalized
+    if op in _ROWS_OF:
+        return dim == 0 and k == _ROWS_OF[op]
+    if op in _BATCHED:
+        return dim == 0
+    return False
+
+
+# operations along the dimensions they were given: the examples stay apart unless one of them
+_ALONG_DIMS = frozenset(
+    [
+        "Amax",
+        "Amin",
+        "Cat",
+        "Cumprod",
+        "Cumsum",
+        "LinalgVectorNorm",
+        "LogSoftmax",
+        "Logsumexp",
+        "Max",
+        "Mean",
+        "Min",
+        "Narrow",
+        "Norm",
+        "Prod",
+        "Select",
+        "Slice",
+        "Softmax",
+        "Squeeze",
+        "Sum",
+    ]
+)
+_RESHAPE_OPS = frozenset({"View", "UnsafeView", "ReshapeAlias", "Expand"})
+
+
+Order = Any
+"""How the rows of a layer's input map to the model's examples: ``None`` in order, an ``[N]``
+index (row ``i`` is example ``order[i]``), or ``True``: not a reordering of whole rows (a sort
+or a gather along the batch), or several that disagree."""
+
+
+def row_order(
+    start: Any, dim: int, model: ModelCall, device: torch.device, order: Order = None
+) -> Order:
+    """The order in which the rows of the tensor whose ``grad_fn`` is ``start`` (its examples
+    along ``dim``) hold the model's examples, from the graph: the reorderings along the batch
+    on the way back (a flip, a roll, an index or ``index_select``) are composed, through the
+    operations that keep each row whole and the dimensions that move the batch's place (a
+    ``select``, an ``unsqueeze``), up to the outputs of earlier tracked calls (whose own
+    order is composed in), tensors without a gradient, and operations that may move the
+    examples (a transpose, a reshape: trusted beyond, as before). ``order`` is where the walk
+    starts (a packed sequence's ``unsorted_indices``). No host sync: the caller turns the
+    result into a 0-dim flag. Paths that meet no reordering are walked once per model call."""
+    n = model.n
+    if not n or n < 2:
+        return None
+    ends: list[Order] = []
+    stack: list[tuple[Any, Order, int]] = [(start, order, dim)]
+    walked: set[tuple[Any, int, int]] = set()  # (node, id(order), dim) after a reordering
+    while stack:
+        node, order, d = stack.pop()
+        if node is None or node in model.dims:
+            prior = model.row_orders.get(node) if node is not None else None
+            ends.append(_compose(prior, order))
+            continue
+        if order is None:
+            if (node, d) in model.in_order:
+                continue
+            model.in_order.add((node, d))
+        elif (node, id(order), d) in walked:
+            continue
+        else:
+            walked.add((node, id(order), d))
+        op = _op(node)
+        nexts = [nxt for nxt, _ in node.next_functions]
+        if op == "PackPaddedSequence":  # [N, T, ...] (or [T, N, ...]) packed into rows
+            stack.append((nexts[0], order, 0 if getattr(node, "_saved_batch_first", True) else 1))
+            continue
+        shape = _output_shape(node)
+        rank = len(shape) if shape is not None else None
+        if shape is not None and (len(shape) <= d or shape[d] != n):
+            ends.append(order)  # not the examples' rows (a broadcast operand, a weight)
+            continue
+        rows = _reordered_rows(node, op, d, n, rank, order, device)
+        if rows is not None:
+            if rows is not True:
+                stack.append((nexts[0], rows, d))
+            else:
+                ends.append(True)
+            continue
+        child = _child_dim(node, op, d, rank)
+        if child is None:
+            ends.append(order)  # the examples may have moved: trusted beyond
+            continue
+        if op in _ROWS_OF:
+            nexts = [nexts[_ROWS_OF[op]]]  # the rows; the other operand is a weight
+        elif op in _KEEP_ROWS or op in _MOVES_DIM:
+            nexts = nexts[:1]  # the input; the others are weights and statistics
+        stack.extend((nxt, order, child) for nxt in nexts)
+    moved = [e for e in ends if e is not None]
+    if not moved:
+        return None
+    return moved[0] if len(moved) == 1 else True
+
+
+def _compose(prior: Order, order: Order) -> Order:
+    """Rows ``order`` of rows that are the examples ``prior``."""
+    if prior is None or order is None:
+        return order if prior is None else prior
+    if prior is True or order is True:
+        return True
+    return prior[order]
+
+
+def _child_dim(node: Any, op: str, d: int, rank: int | None) -> int | None:
+    """Where the examples are in ``node``'s first input, given they are in dimension ``d`` of
+    its output; None where the walk cannot tell."""
+    if op in _PER_ENTRY:
+        return d
+    if op in _ROWS_OF or op in _KEEP_ROWS:
+        return d if d == 0 else None
+    if op in ("Select", "Squeeze", "Unsqueeze", "Slice"):
+        if op == "Slice":
+            dims = _saved_dims(node, rank)
+            return d if dims is not None and d not in dims else None
+        if op == "Unsqueeze":
+            dims = _saved_dims(node, rank)
+            if dims is None or d in dims:
+                return None
+            return d - sum(1 for u in dims if u < d)
+        dims = _saved_dims(node, rank + 1 if rank is not None else None)
+        if dims is None or any(s < 0 for s in dims):
+            return None
+        for s in sorted(dims):  # the input had these dimensions too
+            if s <= d:
+                d += 1
+        return d
+    return None
+
+
+_MOVES_DIM = frozenset({"Select", "Squeeze", "Unsqueeze", "Slice"})
+
+
+def _reordered_rows(
+    node: Any, op: str, dim: int, n: int, rank: int | None, order: Order, device: torch.device
+) -> Any:
+    """For an operation that reorders the rows along ``dim``: the order of its input's rows
+    that gives ``order`` of its output's (``order`` composed with it); ``True`` for one that
+    does not keep rows whole (a sort, a gather along the batch); None for any other."""
+    if op in ("Flip", "Roll"):
+        dims = _saved_dims_named(node, "_saved_dims", rank)
+        if dims and dim not in dims:
+            return None
+        if op == "Roll" and (not dims or len(dims) != 1):
+            return True  # a roll of the flattened tensor, or of several dimensions at once
+        rows = torch.arange(n, device=device)
+        shift = 0 if op == "Flip" else int(node._saved_shifts[0])
+        source = rows.flip(0) if op == "Flip" else (rows - shift).remainder(n)
+    elif op in _REORDERS:
+        if _saved_dims(node, rank) != (dim,):
+            return None
+        index = getattr(node, "_saved_index", None)
+        if op != "IndexSelect" or index is None or index.numel() != n:
+            return True
+        source = index.reshape(n).remainder(n)
+    elif op == "Index":
+        indices = getattr(node, "_saved_indices", ())
+        if len(indices) <= dim or indices[dim] is None or any(i is not None for i in indices[:dim]):
+            return None
+        index = indices[dim]
+        if index.dtype == torch.bool or index.shape[:1] != (n,):
+            return None  # a mask, or another batch size: the size checks refuse it
+        source = index.reshape(n, -1)[:, 0].remainder(n)
+    else:
+        return None
+    return _compose(source, order)
+
+
+def out_of_order(order: Order, n: int | None) -> Any:
+    """A flag for :func:`row_order`'s result: ``False``, ``True``, or a 0-dim tensor on the
+    order's device (no host sync) that is true where it is not ``0..n-1``."""
+    if order is None or order is False:
+        return False
+    if order is True or n is None:
+        return True
+    return (order != torch.arange(n, device=order.device)).any()
+
+
+# operations along one dimension that may reorder it
+_REORDERS = frozenset({"IndexSelect", "Gather", "Sort", "Topk"})
+# operations whose output has the examples where their first input had them (the walk back)
+_KEEP_ROWS = frozenset(
+    [
+        "Convolution",
+        "MaxPool2DWithIndices",
+        "MaxPool3DWithIndices",
+        "AvgPool2D",
+        "AvgPool3D",
+        "AdaptiveAvgPool2D",
+        "AdaptiveAvgPool3D",
+        "AdaptiveMaxPool2D",
+        "NativeLayerNorm",
+        "NativeGroupNorm",
+        "NativeBatchNorm",
+        "CudnnBatchNorm",
+    ]
+)
+
+
+def _saved_dims_named(node: Any, name: str, rank: int | None) -> tuple[int, ...] | None:
+    saved = getattr(node, name, None)
+    if saved is None:
+        return None
+    out = []
+    for d in saved if isinstance(saved, tuple) else (saved,):
+        d = int(d)
+        if d >= 2**63:
+            d -= 2**64
+        out.append(d % rank if rank and d < 0 else d)
+    return tuple(out)
+
+
+def _output_shape(node: Any) -> tuple[int, ...] | None:
+    """The shape of ``node``'s forward output, where torch records it."""
+    metadata = getattr(node, "_input_metadata", None)
+    if not metadata:
+        return None
+    return tuple(int(s) for s in metadata[0].shape)
 
 
 _ELEMENTWISE = ("MulBackward0", "AddBackward0", "SubBackward0", "DivBackward0")
@@ -366,6 +690,17 @@ def _moved_view(t: torch.Tensor, d: int, n: int, model: ModelCall) -> tuple[int,
     return found[0], "a view of the model's input"
 
 
+def _source_text(model: ModelCall) -> str:
+    """Where the number of examples was read: the model's first tensor argument."""
+    source = model.source
+    if not isinstance(source, torch.Tensor):
+        return ""
+    return (
+        f" (its first tensor argument, of shape {tuple(source.shape)}, gives the number of "
+        "examples: where another argument holds the batch, pass that one first)"
+    )
+
+
 def _moved_problem(moved: tuple[int, str], d: int, n: int) -> str:
     dim, source = moved
     return (
@@ -477,7 +812,7 @@ def split_call(
                 f"{sorted(s for s in sizes if s is not None)} examples along their batch "
                 f"dimension ({_dims_text(layout.output, batch_dim)}), while the model's input "
                 + (
-                    f"holds {n_model} examples along dimension {model.dim}"
+                    f"holds {n_model} examples along dimension {model.dim}" + _source_text(model)
                     if model is not None and n_model is not None
                     else "gives no number of examples"
                 )
