@@ -691,7 +691,8 @@ def _moved_view(t: torch.Tensor, d: int, n: int, model: ModelCall) -> tuple[int,
 
 
 def _source_text(model: ModelCall) -> str:
-    """Where the number of examples was read: the model's first tensor argument."""
+    """Where the number of examples was read: the model's first tensor argument (said where it
+    holds one example: a shared tensor passed before the batch)."""
     source = model.source
     if not isinstance(source, torch.Tensor):
         return ""
@@ -812,7 +813,8 @@ def split_call(
                 f"{sorted(s for s in sizes if s is not None)} examples along their batch "
                 f"dimension ({_dims_text(layout.output, batch_dim)}), while the model's input "
                 + (
-                    f"holds {n_model} examples along dimension {model.dim}" + _source_text(model)
+                    f"holds {n_model} examples along dimension {model.dim}"
+                    + (_source_text(model) if n_model == 1 else "")
                     if model is not None and n_model is not None
                     else "gives no number of examples"
                 )

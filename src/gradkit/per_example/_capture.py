@@ -50,6 +50,7 @@ __all__ = [
     "model_call",
     "refuse_batchnorm",
     "refuse_cached_parametrization",
+    "refuse_hook_before",
     "rule_view",
     "tracked_modules",
 ]
@@ -107,6 +108,7 @@ class ModuleState:
     checked: tuple[int, ...] = ()  # ids of its parameters whose uses outside it are refused
     parametrized: bool = False  # torch.nn.utils.parametrize computes its weight at each call
     forward_count: int = 0
+    hook_id: int | None = None  # the tracker's forward hook, first of the module's (a rule's)
     pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
     @functools.cached_property
@@ -296,6 +298,22 @@ def check_still_trainable(st: ModuleState) -> None:
                 "freeze parameters before calling track() (frozen ones are skipped)",
             )
         )
+
+
+def refuse_hook_before(st: ModuleState) -> None:
+    """Refuse a call of a module whose forward hooks now run one before the tracker's (one
+    registered with ``prepend=True`` inside the block): it may have replaced the layer's output
+    (``2 * output`` made the per-example gradients half what they are), which the rule reads."""
+    raise GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            f"the forward hooks of {st.label}",
+            "the tracker's hook first (it reads the layer's own output, before any hook of "
+            "yours may replace it)",
+            "a hook registered with prepend=True inside the track block, which runs before it",
+            "register the hook before the track block, or without prepend=True",
+        )
+    )
 
 
 def tracked_modules(

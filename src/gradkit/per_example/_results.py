@@ -16,6 +16,7 @@ from gradkit.per_example._stats import (
     PowerSums,
     Want,
     as_dtype,
+    check_order,
     merged_l2,
     statistics_dtype,
 )
@@ -115,6 +116,8 @@ class TrackerResults(Mapping[str, ParamStats]):
         self._readable("batch_l2()")
         accs = self._accs.values()
         if "batch_l2" in self._want.quantities and all(acc.n for acc in accs):
+            for acc in accs:
+                check_order(acc, "batch_l2()")
             parts = [merged_l2(acc) for acc in accs]  # checked once, not per parameter
         else:  # the per-parameter read raises the error that names the parameter
             parts = [self[name].batch_l2 for name in self]

@@ -32,6 +32,7 @@ __all__ = [
     "Want",
     "add_block",
     "as_dtype",
+    "check_order",
     "merged_l2",
     "parse_want",
     "statistics_dtype",
@@ -150,6 +151,8 @@ class PowerSums:
     l2: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     owner: torch.Tensor | None = None  # the parameter, whose batch_grad storage is reused
+    # (module, whether its input rows were the examples in another order): see row_order_flags
+    reordered: list[tuple[str, Any]] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -263,6 +266,30 @@ def add_block(
                 else:
                     acc.l2.append(squares.reshape(g.shape[0], -1).sum(1))
     acc.n += pe.num_examples
+
+
+def check_order(acc: PowerSums, call: str) -> None:
+    """Refuse per-example results (norms, gradients) of a parameter whose module received the
+    examples' rows in another order (``h.flip(0)``, ``h[perm]``, the rows sorted by length
+    for ``pack_padded_sequence`` and restored after): its rows are not the examples, so
+    ``batch_l2[i]`` would belong to another example. The order-free statistics (mean,
+    moments, variance) are unaffected. The flags are read here, with the results (a host
+    sync), never in the backward pass."""
+    labels = [label for label, flag in acc.reordered if bool(flag)]
+    if labels:
+        raise GradkitError(
+            message(
+                call,
+                "the track block",
+                "per-example results of layers whose input rows are the examples in order",
+                f"{labels[0]} called on rows reordered along the batch (a flip, a roll, an "
+                "index, gather or sort along it, on the way from the model's input)",
+                "read the order-free statistics (mean, second moment, variance), or reorder the "
+                "rows outside the model (sort the batch before the call), or use "
+                "pack_padded_sequence(..., enforce_sorted=False) instead of sorting",
+            )
+        )
+    acc.reordered.clear()  # read in order: nothing to keep checking
 
 
 def merged_l2(acc: PowerSums) -> torch.Tensor:
@@ -419,6 +446,7 @@ class ParamStats:
         """``[N]``: ``||g_i||**2`` over this parameter, in the order examples were seen."""
         self._tracked("batch_l2" in self._want.quantities, "batch_l2", "'batch_l2'")
         self._ready("batch_l2")
+        check_order(self._acc, f"stats[{self.name!r}].batch_l2")
         return merged_l2(self._acc).clone()
 
     @property
@@ -427,6 +455,7 @@ class ParamStats:
         (no copy of ``O(N x params)``): clone it before modifying it in place."""
         self._tracked("batch_grad" in self._want.quantities, "batch_grad", "'batch_grad'")
         self._ready("batch_grad")
+        check_order(self._acc, f"stats[{self.name!r}].batch_grad")
         if not self._acc.grads:
             return self._acc.zeros(0, *self._acc.shape)
         if len(self._acc.grads) > 1:  # merge once, keep the merged tensor

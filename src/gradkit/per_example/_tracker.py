@@ -71,6 +71,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
+from torch.nn.utils.rnn import PackedSequence
 
 from gradkit._errors import GradkitError, message
 from gradkit._precision import full_float32, tf32
@@ -88,6 +89,8 @@ from gradkit.per_example._batch import (
     check_broadcast_consumers,
     disagree_error,
     mismatch_error,
+    out_of_order,
+    row_order,
     split_call,
 )
 from gradkit.per_example._capture import (
@@ -102,6 +105,7 @@ from gradkit.per_example._capture import (
     model_call,
     refuse_batchnorm,
     refuse_cached_parametrization,
+    refuse_hook_before,
     rule_view,
     tracked_modules,
 )
@@ -358,6 +362,9 @@ class Tracker(TrackerResults):
         # the tensors the next layers' backward reads (0.2 ms of a 2.4 ms step on the demo CNN)
         self._later: list[tuple[int, PerExampleGrad, bool, float]] = []
         self._write_later = "batch_grad" in self._want.quantities
+        # per-example results are read in the examples' order: check the rows reach each layer
+        # in that order (see _check_row_order)
+        self._in_order = bool({"batch_grad", "batch_l2"} & self._want.quantities)
         self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
         self._reached: set[int] = set()  # parameters reached in the current backward
         self._task: int | None = None  # the backward pass whose start was checked
@@ -411,9 +418,9 @@ class Tracker(TrackerResults):
                 # module with its hooks, so it reads the output they leave.
                 hook = eager(self._forward_hook(st))
                 first = st.rule is not vmap_rule
-                self._handles.append(
-                    st.module.register_forward_hook(hook, with_kwargs=True, prepend=first)
-                )
+                handle = st.module.register_forward_hook(hook, with_kwargs=True, prepend=first)
+                self._handles.append(handle)
+                st.hook_id = handle.id if first else None
             self._handles.append(
                 self._model.register_forward_pre_hook(eager(self._model_pre_hook), with_kwargs=True)
             )
@@ -499,6 +506,8 @@ class Tracker(TrackerResults):
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
             check_still_trainable(st)
+            if st.hook_id is not None and next(iter(module._forward_hooks)) != st.hook_id:
+                refuse_hook_before(st)
             if st.parametrized:
                 refuse_cached_parametrization(st)
             layout = call_layout(module, args, kwargs, output, st.batch_dim)
@@ -541,11 +550,15 @@ class Tracker(TrackerResults):
             if call.mode == "merged" and isinstance(output, torch.Tensor):
                 self._model_calls[-1].merged[output.grad_fn] = call.positions
             elif call.mode == "batched" and self._model_calls:
+                # per-example results: the rows must be the examples, in their order
+                order = self._check_row_order(st, args, kwargs, layout) if self._in_order else None
                 # where later layers' inputs come from (moved_batch): the examples' dimension
-                known = self._model_calls[-1].dims
+                model_call = self._model_calls[-1]
                 for t, d in zip(leaves, call.out_dims, strict=False):
                     if d is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                        known[t.grad_fn] = (d, st.label)
+                        model_call.dims[t.grad_fn] = (d, st.label)
+                        if order is not None:
+                            model_call.row_orders[t.grad_fn] = order
             params = {st.pids[k]: p for k, p in st.params.items()}
             # the sum of the gradients at the edges is autograd's product, in the layer's
             # precision: under bf16/fp16 it is rounded there (4e-3 relative), while the second
@@ -600,6 +613,30 @@ class Tracker(TrackerResults):
             return replacement
 
         return hook
+
+    def _check_row_order(
+        self, st: ModuleState, args: tuple[Any, ...], kwargs: dict[str, Any], layout: Any
+    ) -> Any:
+        """The order in which a call's input rows hold the model's examples
+        (:func:`._batch.row_order`; None: in order). Out of order, its parameters' per-example
+        results are refused when read (a flag, no host sync here)."""
+        model = self._model_calls[-1]
+        orders = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, PackedSequence) and value.data.grad_fn is not None:
+                # its rows, as the rules read them: unsorted back where it was sorted
+                start, dim, first = value.data.grad_fn, 0, value.unsorted_indices
+                orders.append(row_order(start, dim, model, value.data.device, first))
+        for t, d in zip(flat_leaves((args, kwargs)), layout.inputs, strict=False):
+            if d is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                orders.append(row_order(t.grad_fn, d, model, t.device))
+        moved = [o for o in orders if o is not None]
+        order = None if not moved else (moved[0] if len(moved) == 1 else True)
+        flag = out_of_order(order, model.n)
+        if flag is not False:
+            for pid in st.pids.values():
+                self._accs[pid].reordered.append((st.label, flag))
+        return order
 
     def _hook_output(
         self, st: ModuleState, record: UseRecord, output: torch.Tensor, hooked: torch.Tensor
@@ -892,10 +929,12 @@ class Tracker(TrackerResults):
                 "fallback), it did not reproduce that example's part of the batch's output. "
                 "It mixes examples, or it was given a tensor shared by every example (a mask "
                 "or a table) with as many rows as there are examples, which was split as if "
-                "it held them",
+                "it held them, or a forward pre-hook on it changes its inputs (the re-runs "
+                "pass it the inputs the hook already changed, and the hook runs again)",
                 "give such a shared tensor another shape (e.g. a leading dimension of 1), "
-                "register a rule for the module (@gradkit.per_example.register_rule), or "
-                "freeze its parameters (requires_grad_(False)) to track the rest",
+                "move such a hook to a module around it, register a rule for the module "
+                "(@gradkit.per_example.register_rule), or freeze its parameters "
+                "(requires_grad_(False)) to track the rest",
             )
         )
 

@@ -40,21 +40,23 @@ def _affine(
     xhats: list[torch.Tensor],
     grads: list[torch.Tensor],
     ctx: RuleContext,
-    reduce_dims: tuple[int, ...],
+    reduce_dims: list[tuple[int, ...]],
     shape: torch.Size,
 ) -> dict[str, PerExampleGrad]:
-    """``g_n(weight)`` and ``g_n(bias)`` ``[N, *shape]``, summed over uses and positions."""
+    """``g_n(weight)`` and ``g_n(bias)`` ``[N, *shape]``, summed over uses and over the
+    positions of each (``reduce_dims``, per use: a shared layer may be called on inputs of
+    different ranks)."""
     n = grads[0].shape[0]
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
         ws = [
-            _sum_positions(g * x, reduce_dims, owned=True)
-            for g, x in zip(grads, xhats, strict=True)
+            _sum_positions(g * x, dims, owned=True)
+            for g, x, dims in zip(grads, xhats, reduce_dims, strict=True)
         ]
         w = ws[0] if len(ws) == 1 else torch.stack(ws).sum(0)
         out["weight"] = Materialized(w.reshape(n, *shape))
     if "bias" in ctx.params:
-        bs = [_sum_positions(g, reduce_dims) for g in grads]
+        bs = [_sum_positions(g, dims) for g, dims in zip(grads, reduce_dims, strict=True)]
         b = bs[0] if len(bs) == 1 else torch.stack(bs).sum(0)
         out["bias"] = Materialized(b.reshape(n, *shape))
     return out
@@ -76,8 +78,12 @@ def layer_norm_rule(
     xs, gs = _prep(uses)
     shape = torch.Size(module.normalized_shape)
     xhats = [F.layer_norm(x, shape, None, None, module.eps) for x in xs]
-    lead = tuple(range(1, xs[0].dim() - len(shape)))
-    return _affine(xhats, gs, ctx, lead, shape)
+    return _affine(xhats, gs, ctx, _leading(xs, shape), shape)
+
+
+def _leading(xs: list[torch.Tensor], shape: torch.Size) -> list[tuple[int, ...]]:
+    """Per use, the dimensions between the examples and the normalized ones."""
+    return [tuple(range(1, x.dim() - len(shape))) for x in xs]
 
 
 layer_norm_rule.leading_dims = True  # type: ignore[attr-defined]  # any leading dimensions
@@ -93,8 +99,7 @@ if hasattr(nn, "RMSNorm"):
         assert isinstance(module, nn.RMSNorm)
         shape = torch.Size(module.normalized_shape)
         xhats = [F.rms_norm(x, shape, None, module.eps) for x in xs]
-        lead = tuple(range(1, xs[0].dim() - len(shape)))
-        return _affine(xhats, gs, ctx, lead, shape)
+        return _affine(xhats, gs, ctx, _leading(xs, shape), shape)
 
     rms_norm_rule.leading_dims = True  # type: ignore[attr-defined]
 
@@ -107,5 +112,5 @@ def group_norm_rule(
     assert isinstance(module, nn.GroupNorm)
     xs, gs = _prep(uses)
     xhats = [F.group_norm(x, module.num_groups, None, None, module.eps) for x in xs]
-    spatial = tuple(range(2, xs[0].dim()))
+    spatial = [tuple(range(2, x.dim())) for x in xs]
     return _affine(xhats, gs, ctx, spatial, torch.Size((module.num_channels,)))

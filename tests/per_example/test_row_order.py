@@ -1,0 +1,147 @@
+"""Per-example results are given in the examples' order, or refused: a layer whose input rows
+reach it reordered along the batch (a flip, a roll, an index; rows sorted by length for
+``pack_padded_sequence`` and restored after) has rows that are not the examples in order.
+
+Found by a probe: ``b(h.flip(0)).flip(0)`` and the sort, pack, LSTM, unsort idiom gave such
+layers' ``batch_grad`` and ``batch_l2`` in the permuted order, and ``stats.batch_l2()`` summed
+the norms of different examples, silently. The order-free statistics were right, and stay
+readable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from gradkit import GradkitError
+from gradkit.per_example import track
+from gradkit.testing import assert_close, per_example_grads
+
+D = torch.float64
+N = 4
+
+
+class Reordered(nn.Module):
+    """``b`` called on the rows of ``tanh(a(x))`` reordered by ``how``, then restored."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        n = x.shape[0]
+        perm = torch.tensor([2, 0, 3, 1][:n]) if n == N else torch.arange(n)
+        inverse = perm.argsort()
+        if self.how == "flip":
+            return self.b(h.flip(0)).flip(0)
+        if self.how == "roll":
+            return self.b(h.roll(1, 0)).roll(-1, 0)
+        if self.how == "index":
+            return self.b(h[perm])[inverse]
+        if self.how == "index_select":
+            return self.b(h.index_select(0, perm)).index_select(0, inverse)
+        if self.how == "restored":  # reordered and restored before b: in order
+            return self.b(h[perm].flip(0).flip(0)[inverse])
+        if self.how == "identity":  # an index that keeps the order
+            return self.b(h[torch.arange(n)])
+        raise AssertionError(self.how)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).sum()
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    return torch.randn(N, 3, dtype=D, generator=gen), torch.randn(N, 2, dtype=D, generator=gen)
+
+
+@pytest.mark.parametrize("how", ["flip", "roll", "index", "index_select"])
+def test_per_example_results_of_a_layer_on_reordered_rows_are_refused(how: str) -> None:
+    torch.manual_seed(0)
+    model = Reordered(how).to(D)
+    x, y = _data()
+    want = per_example_grads(model, _loss, x, y)
+    with track(model, "batch_grad", "batch_l2", "variance", loss_reduction="sum") as stats:
+        _loss(model(x), y).backward()
+    for read in (
+        lambda: stats["b.weight"].batch_grad,
+        lambda: stats["b.bias"].batch_l2,
+        lambda: stats.batch_l2(),
+    ):
+        with pytest.raises(GradkitError, match=r"b \(Linear\) called on rows reordered"):
+            read()
+    for name, g in want.items():  # the order-free statistics, and the layer in order
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-8, atol=1e-12)
+        if name.startswith("a."):
+            assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["restored", "identity"])
+def test_rows_in_order_again_are_exact(how: str) -> None:
+    torch.manual_seed(0)
+    model = Reordered(how).to(D)
+    x, y = _data()
+    want = per_example_grads(model, _loss, x, y)
+    with track(model, "batch_grad", "batch_l2", loss_reduction="sum") as stats:
+        _loss(model(x), y).backward()
+    for name, g in want.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+    total = sum(g.flatten(1).square().sum(1) for g in want.values())
+    assert_close(stats.batch_l2(), total, rtol=1e-10, atol=1e-12)
+
+
+class SortedRNN(nn.Module):
+    """The rows sorted by length for ``pack_padded_sequence``, an LSTM, and the last states
+    restored to the examples' order for the head (``enforce_sorted=False`` does the same
+    inside torch, which the LSTM's rule follows)."""
+
+    def __init__(self, sort_here: bool) -> None:
+        super().__init__()
+        self.sort_here = sort_here
+        self.emb = nn.Embedding(9, 4)
+        self.rnn = nn.LSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if not self.sort_here:
+            packed = pack_padded_sequence(
+                self.emb(ids), lengths, batch_first=True, enforce_sorted=False
+            )
+            _, (h, _) = self.rnn(packed)
+            return self.head(h[-1])
+        lengths, order = lengths.sort(descending=True)
+        packed = pack_padded_sequence(self.emb(ids)[order], lengths, batch_first=True)
+        _, (h, _) = self.rnn(packed)
+        return self.head(h[-1][order.argsort()])
+
+
+@pytest.mark.parametrize("sort_here", [True, False])
+def test_rows_sorted_for_packing_and_restored(sort_here: bool) -> None:
+    torch.manual_seed(0)
+    model = SortedRNN(sort_here).to(D)
+    ids = torch.randint(1, 9, (N, 5))
+    lengths = torch.tensor([2, 5, 3, 4])
+    y = torch.randint(0, 3, (N,))
+    want = {}
+    for i in range(N):  # each example alone, on its own length
+        loss = F.cross_entropy(
+            model(ids[i : i + 1, : lengths[i]], lengths[i : i + 1]), y[i : i + 1]
+        )
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
+            want.setdefault(name, []).append(g)
+    with track(model, "batch_grad", "batch_l2", "variance", loss_reduction="sum") as stats:
+        F.cross_entropy(model(ids, lengths), y, reduction="sum").backward()
+    for name, gs in want.items():
+        g = torch.stack(gs)
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-8, atol=1e-12)
+        if sort_here and name.startswith("rnn."):  # the LSTM ran on the sorted rows
+            with pytest.raises(GradkitError, match=r"rnn \(LSTM\) called on rows reordered"):
+                _ = stats[name].batch_grad
+        else:  # the head on rows restored to the examples' order, the embedding before
+            assert_close(stats[name].batch_grad, g, rtol=1e-8, atol=1e-12)
