@@ -134,3 +134,36 @@ def test_the_refusal_names_the_argument_the_examples_are_counted_in() -> None:
         track(model, "variance"),
     ):
         model(scale, x).sum().backward()
+
+
+def test_a_model_cast_inside_the_block_before_its_first_backward() -> None:
+    """``model.double()`` inside the block: the statistics were kept in float32, 3e-8 off the
+    float64 per-example gradients, silently; they take the new precision now."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    x = torch.randn(6, 4, dtype=D)
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).sum()
+
+    want = per_example_grads(layer.double(), loss, x, torch.zeros(6, dtype=D))
+    layer.float()
+    with track(layer, "variance", "batch_grad", loss_reduction="sum") as stats:
+        layer.double()
+        loss(layer(x), None).backward()
+    assert stats["weight"].variance.dtype == D
+    assert_close(stats["weight"].batch_grad, want["weight"], rtol=1e-12, atol=0)
+    assert_close(
+        stats["weight"].variance, want["weight"].var(0, unbiased=False), rtol=1e-10, atol=0
+    )
+
+
+def test_a_cast_after_statistics_began_is_refused() -> None:
+    layer = nn.Linear(4, 3)
+    with track(layer, "variance") as stats:
+        layer(torch.randn(5, 4)).sum().backward()
+        layer.double()
+        with pytest.raises(GradkitError, match=r"parameter 'weight'.*torch.float32.*cast"):
+            layer(torch.randn(5, 4, dtype=D))
+        layer.float()
+    assert stats["weight"].variance.dtype == torch.float32

@@ -109,6 +109,7 @@ class ModuleState:
     parametrized: bool = False  # torch.nn.utils.parametrize computes its weight at each call
     forward_count: int = 0
     hook_id: int | None = None  # the tracker's forward hook, first of the module's (a rule's)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # of params, at the last check
     pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
 
     @functools.cached_property

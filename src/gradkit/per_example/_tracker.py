@@ -402,10 +402,10 @@ class Tracker(TrackerResults):
                         "same modules cannot nest)",
                     )
                 )
-        for pid, acc in self._accs.items():
-            if acc.n == 0:  # the model may have been cast since track() was called
-                param = self._params[pid]
-                acc.shape, acc.dtype = param.shape, statistics_dtype(param.dtype)
+        for pid in self._accs:
+            self._adapt(pid)  # the model may have been cast since track() was called
+        for st in self._states:
+            st.dtypes = {k: p.dtype for k, p in st.params.items()}
         self._active = True
         for st in self._states:
             _ACTIVE[st.module] = self
@@ -506,6 +506,8 @@ class Tracker(TrackerResults):
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
             check_still_trainable(st)
+            if any(p.dtype is not st.dtypes[k] for k, p in st.params.items()):
+                self._recast(st)
             if st.hook_id is not None and next(iter(module._forward_hooks)) != st.hook_id:
                 refuse_hook_before(st)
             if st.parametrized:
@@ -613,6 +615,37 @@ class Tracker(TrackerResults):
             return replacement
 
         return hook
+
+    def _adapt(self, pid: int) -> bool:
+        """Give ``pid``'s statistics its parameter's shape and precision if none were added yet
+        (True), else say whether they already have them."""
+        acc, param = self._accs[pid], self._params[pid]
+        dtype = statistics_dtype(param.dtype)
+        if acc.n == 0:
+            acc.shape, acc.dtype = param.shape, dtype
+            return True
+        return acc.dtype == dtype
+
+    def _recast(self, st: ModuleState) -> None:
+        """A parameter of ``st`` was cast inside the block (``model.double()``): its statistics
+        take the new precision if they hold no example yet; mixing precisions is refused (the
+        statistics of a float64 model kept in float32 were 3e-8 off, silently)."""
+        for local, p in st.params.items():
+            if not self._adapt(st.pids[local]):
+                name = f"{st.name}.{local}" if st.name else local
+                raise GradkitError(
+                    message(
+                        "per_example.track(model, ...)",
+                        f"parameter {name!r}",
+                        f"the precision it had when its statistics began "
+                        f"({self._accs[st.pids[local]].dtype})",
+                        f"{p.dtype}: the model was cast inside the block, after a backward "
+                        "pass added statistics",
+                        "cast the model before the track block (or before its first backward "
+                        "pass), or start a new block after the cast",
+                    )
+                )
+        st.dtypes = {k: p.dtype for k, p in st.params.items()}
 
     def _check_row_order(
         self, st: ModuleState, args: tuple[Any, ...], kwargs: dict[str, Any], layout: Any
