@@ -145,3 +145,27 @@ def test_rows_sorted_for_packing_and_restored(sort_here: bool) -> None:
                 _ = stats[name].batch_grad
         else:  # the head on rows restored to the examples' order, the embedding before
             assert_close(stats[name].batch_grad, g, rtol=1e-8, atol=1e-12)
+
+
+def test_reordered_rows_used_by_two_layers_flag_both() -> None:
+    """The walk of the second layer's input goes through the same reordering as the first's
+    (a cache of nodes seen in order once let the second through)."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x)).flip(0)
+            return (self.b(h) + self.c(h)).flip(0)
+
+    torch.manual_seed(0)
+    model = Two().to(D)
+    x, y = _data()
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        _loss(model(x), y).backward()
+    for name in ("b.weight", "c.weight"):
+        with pytest.raises(GradkitError, match=r"called on rows reordered"):
+            _ = stats[name].batch_grad
+    assert stats["a.weight"].batch_grad.shape == (N, 3, 3)

@@ -66,7 +66,6 @@ class ModelCall:
     # "name (Class)" (see moved_batch)
     dims: dict[Any, tuple[int, str]] = field(default_factory=dict)
     source: Any = None  # the input n was read from, for the whole model call (moved_batch)
-    in_order: set[Any] = field(default_factory=set)  # (node, dim) row_order walked, in order
     # output node of a tracked call whose input rows were reordered -> their order (row_order)
     row_orders: dict[Any, Any] = field(default_factory=dict)
 
@@ -303,8 +302,15 @@ _BATCHED = frozenset({"Bmm", "Baddbmm"})
 
 
 def _op(node: Any) -> str:
-    """``"Add"`` for ``AddBackward0``."""
-    return type(node).__name__.rstrip("0123456789").removesuffix("Backward")
+    """``"Add"`` for ``AddBackward0`` (by type, computed once)."""
+    kind = type(node)
+    name = _OPS.get(kind)
+    if name is None:
+        name = _OPS[kind] = kind.__name__.rstrip("0123456789").removesuffix("Backward")
+    return name
+
+
+_OPS: dict[type, str] = {}
 
 
 def _saved_dims(node: Any, rank: int | None) -> tuple[int, ...] | None:
@@ -387,33 +393,50 @@ def row_order(
     order is composed in), tensors without a gradient, and operations that may move the
     examples (a transpose, a reshape: trusted beyond, as before). ``order`` is where the walk
     starts (a packed sequence's ``unsorted_indices``). No host sync: the caller turns the
-    result into a 0-dim flag. Paths that meet no reordering are walked once per model call."""
+    result into a 0-dim flag. Each walk ends at the previous tracked calls: a few nodes."""
     n = model.n
     if not n or n < 2:
         return None
+    while order is None:  # a chain of one-input operations that keep rows: no walk to set up
+        if start is None:
+            return None
+        if start in model.dims:
+            return model.row_orders.get(start)
+        op = _op(start)
+        nexts = start.next_functions
+        if (op in _PER_ENTRY and len(nexts) == 1) or (op in _KEEP_ROWS and dim == 0):
+            start = nexts[0][0]
+        elif op in _ROWS_OF and dim == 0:
+            start = nexts[_ROWS_OF[op]][0]
+        elif op in _PER_ENTRY or op in _NEEDS_RANK or op == "PackPaddedSequence":
+            break  # several inputs, or one that reorders or moves the rows: walked below
+        else:
+            return None  # the examples may have moved: trusted beyond, as the walk would
     ends: list[Order] = []
-    stack: list[tuple[Any, Order, int]] = [(start, order, dim)]
-    walked: set[tuple[Any, int, int]] = set()  # (node, id(order), dim) after a reordering
+    # (node, order, dimension, whether its rows must be checked: reached from an operation of
+    # several inputs, one of which may be a broadcast operand or a weight)
+    stack: list[tuple[Any, Order, int, bool]] = [(start, order, dim, False)]
+    walked: set[tuple[Any, int, int]] = set()  # (node, id(order), dim)
     while stack:
-        node, order, d = stack.pop()
+        node, order, d, check = stack.pop()
         if node is None or node in model.dims:
             prior = model.row_orders.get(node) if node is not None else None
             ends.append(_compose(prior, order))
             continue
-        if order is None:
-            if (node, d) in model.in_order:
-                continue
-            model.in_order.add((node, d))
-        elif (node, id(order), d) in walked:
+        if (node, id(order), d) in walked:
             continue
-        else:
-            walked.add((node, id(order), d))
+        walked.add((node, id(order), d))
         op = _op(node)
         nexts = [nxt for nxt, _ in node.next_functions]
-        if op == "PackPaddedSequence":  # [N, T, ...] (or [T, N, ...]) packed into rows
-            stack.append((nexts[0], order, 0 if getattr(node, "_saved_batch_first", True) else 1))
+        if op in _PER_ENTRY and not check:  # the common case: an activation, a residual sum
+            several = len(nexts) > 1
+            stack.extend((nxt, order, d, several) for nxt in nexts)
             continue
-        shape = _output_shape(node)
+        if op == "PackPaddedSequence":  # [N, T, ...] (or [T, N, ...]) packed into rows
+            batch_first = getattr(node, "_saved_batch_first", True)
+            stack.append((nexts[0], order, 0 if batch_first else 1, False))
+            continue
+        shape = _output_shape(node) if check or op in _NEEDS_RANK else None
         rank = len(shape) if shape is not None else None
         if shape is not None and (len(shape) <= d or shape[d] != n):
             ends.append(order)  # not the examples' rows (a broadcast operand, a weight)
@@ -421,7 +444,7 @@ def row_order(
         rows = _reordered_rows(node, op, d, n, rank, order, device)
         if rows is not None:
             if rows is not True:
-                stack.append((nexts[0], rows, d))
+                stack.append((nexts[0], rows, d, False))
             else:
                 ends.append(True)
             continue
@@ -433,7 +456,8 @@ def row_order(
             nexts = [nexts[_ROWS_OF[op]]]  # the rows; the other operand is a weight
         elif op in _KEEP_ROWS or op in _MOVES_DIM:
             nexts = nexts[:1]  # the input; the others are weights and statistics
-        stack.extend((nxt, order, child) for nxt in nexts)
+        several = len(nexts) > 1
+        stack.extend((nxt, order, child, several) for nxt in nexts)
     moved = [e for e in ends if e is not None]
     if not moved:
         return None
@@ -476,6 +500,10 @@ def _child_dim(node: Any, op: str, d: int, rank: int | None) -> int | None:
 
 
 _MOVES_DIM = frozenset({"Select", "Squeeze", "Unsqueeze", "Slice"})
+# operations whose dimensions the walk reads (a negative one needs the rank)
+_NEEDS_RANK = frozenset({"Flip", "Roll", "IndexSelect", "Gather", "Sort", "Topk", "Index"}) | (
+    _MOVES_DIM
+)
 
 
 def _reordered_rows(
@@ -557,12 +585,10 @@ def _saved_dims_named(node: Any, name: str, rank: int | None) -> tuple[int, ...]
     return tuple(out)
 
 
-def _output_shape(node: Any) -> tuple[int, ...] | None:
-    """The shape of ``node``'s forward output, where torch records it."""
+def _output_shape(node: Any) -> Any:
+    """The shape of ``node``'s forward output (a sequence of ints), where torch records it."""
     metadata = getattr(node, "_input_metadata", None)
-    if not metadata:
-        return None
-    return tuple(int(s) for s in metadata[0].shape)
+    return metadata[0].shape if metadata else None
 
 
 _ELEMENTWISE = ("MulBackward0", "AddBackward0", "SubBackward0", "DivBackward0")

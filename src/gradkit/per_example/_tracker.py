@@ -505,9 +505,11 @@ class Tracker(TrackerResults):
             live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
-            check_still_trainable(st)
-            if any(p.dtype is not st.dtypes[k] for k, p in st.params.items()):
-                self._recast(st)
+            for k, p in st.params.items():  # frozen or cast since the block began
+                if not p.requires_grad or p.dtype is not st.dtypes[k]:
+                    check_still_trainable(st)
+                    self._recast(st)
+                    break
             if st.hook_id is not None and next(iter(module._forward_hooks)) != st.hook_id:
                 refuse_hook_before(st)
             if st.parametrized:
@@ -654,15 +656,14 @@ class Tracker(TrackerResults):
         (:func:`._batch.row_order`; None: in order). Out of order, its parameters' per-example
         results are refused when read (a flag, no host sync here)."""
         model = self._model_calls[-1]
-        orders = []
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, PackedSequence) and value.data.grad_fn is not None:
-                # its rows, as the rules read them: unsorted back where it was sorted
-                start, dim, first = value.data.grad_fn, 0, value.unsorted_indices
-                orders.append(row_order(start, dim, model, value.data.device, first))
-        for t, d in zip(flat_leaves((args, kwargs)), layout.inputs, strict=False):
-            if d is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                orders.append(row_order(t.grad_fn, d, model, t.device))
+        simple = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+        if simple and layout.inputs == [0]:  # the usual call: one input, examples first
+            order = row_order(args[0].grad_fn, 0, model, args[0].device)
+            if order is None:
+                return None
+            orders = [order]
+        else:
+            orders = self._input_orders(args, kwargs, layout, model, simple)
         moved = [o for o in orders if o is not None]
         order = None if not moved else (moved[0] if len(moved) == 1 else True)
         flag = out_of_order(order, model.n)
@@ -670,6 +671,27 @@ class Tracker(TrackerResults):
             for pid in st.pids.values():
                 self._accs[pid].reordered.append((st.label, flag))
         return order
+
+    def _input_orders(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        layout: Any,
+        model: ModelCall,
+        simple: bool,
+    ) -> list[Any]:
+        """:func:`._batch.row_order` of each input of a call that holds the examples."""
+        orders = []
+        for value in () if simple else (*args, *kwargs.values()):
+            if isinstance(value, PackedSequence) and value.data.grad_fn is not None:
+                # its rows, as the rules read them: unsorted back where it was sorted
+                start, dim, first = value.data.grad_fn, 0, value.unsorted_indices
+                orders.append(row_order(start, dim, model, value.data.device, first))
+        leaves = args if simple else flat_leaves((args, kwargs))
+        for t, d in zip(leaves, layout.inputs, strict=False):
+            if d is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                orders.append(row_order(t.grad_fn, d, model, t.device))
+        return orders
 
     def _hook_output(
         self, st: ModuleState, record: UseRecord, output: torch.Tensor, hooked: torch.Tensor
