@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from gradkit._errors import GradkitError, message
 from gradkit.per_example._flat import flatten, unflatten
@@ -68,6 +69,10 @@ class ModelCall:
     source: Any = None  # the input n was read from, for the whole model call (moved_batch)
     # output node of a tracked call whose input rows were reordered -> their order (row_order)
     row_orders: dict[Any, Any] = field(default_factory=dict)
+    # calls batched by coincidence of sizes (Call.made_inside): (call, output node, its batch
+    # dimension, label)
+    coincident: list[tuple[Any, Any, int, str]] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # the model call's tensors
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -125,6 +130,9 @@ class Call:
     positions: int = 1  # mode "merged": rows per example ([N * positions, ...] -> [N, positions])
     values: list[torch.Tensor | None] | None = None  # the fallback's output leaves (see Dims)
     versions: list[int] | None = None
+    # batched by its sizes only: its inputs were made inside the model, with as many rows as it
+    # has examples by coincidence (positions arange(T) with T == N); see check_broadcast_consumers
+    made_inside: bool = False
 
 
 def _merged(
@@ -202,9 +210,10 @@ def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
     batch. Split by example, such a call would not be what the model computes untracked (and
     the expansion itself changes the model's output where a product contracts the batch). One
     walk over the graph the model call built, only when something was expanded."""
-    if not model.expanded:
+    if not model.expanded and not model.coincident:
         return
     targets = {node: (call, dim) for call, node, dim, _ in model.expanded}
+    targets.update({node: (call, dim) for call, node, dim, _ in model.coincident})
     tops = [t.grad_fn for t in flat_leaves(output) if isinstance(t, torch.Tensor)]
     # per node: the expanded calls it depends on (through the nodes that keep examples apart)
     reach: dict[Any, frozenset[Any]] = {}
@@ -232,14 +241,27 @@ def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
                 if call.mode != "mismatch" and not _keeps_examples(node, k, dim, call.n, rank):
                     call.mode = "mismatch"
                     call.problem = (
-                        "has an output that broadcasts over the batch (batch size 1, expanded "
-                        f"to the {call.n} examples of the model call), but the model takes it "
-                        f"through {type(node).__name__}, which does not keep the examples apart "
-                        "as broadcasting does (it indexes, reduces, transposes or multiplies "
-                        "along the batch dimension)"
+                        _coincident_problem(call, node)
+                        if call.made_inside
+                        else "has an output that broadcasts over the batch (batch size 1, "
+                        f"expanded to the {call.n} examples of the model call), but the model "
+                        f"takes it through {type(node).__name__}, which does not keep the "
+                        "examples apart as broadcasting does (it indexes, reduces, transposes "
+                        "or multiplies along the batch dimension)"
                     )
             found |= below
         reach[node] = frozenset(found)
+
+
+def _coincident_problem(call: Any, node: Any) -> str:
+    return (
+        f"was called on tensors made inside the model (no gradient, no view of its inputs) "
+        f"with {call.n} rows, as many as the model call has examples, but the model does not "
+        f"treat those rows as its examples: it takes the output through {type(node).__name__}, "
+        "which moves or broadcasts them along another dimension (positions looked up with "
+        "torch.arange(T) when T equals the batch size, a table of [T, T] buckets). Give such "
+        "an input a batch dimension of 1 (torch.arange(T)[None]), which is split exactly"
+    )
 
 
 # operations that act on each entry, or broadcast elementwise: the examples stay apart
@@ -325,8 +347,11 @@ def _keeps_examples(node: Any, k: int, dim: int, n: int, rank: int | None) -> bo
     where they were: ``n`` of them in dimension ``dim`` of that input, of ``rank`` dimensions
     (None: unknown). Unknown operations do not: the caller refuses rather than guesses."""
     op = _op(node)
-    if op in _PER_ENTRY:
-        return True
+    if op in _PER_ENTRY:  # unless broadcast to more dimensions: the examples move right
+        if rank is None:
+            return True
+        shape = _output_shape(node)
+        return shape is None or len(shape) <= rank
     if op in _ALONG_DIMS:
         dims = _saved_dims(node, rank)
         return dims is not None and dim not in dims
@@ -757,6 +782,8 @@ def _simple_call(
     n = output.shape[0]
     if x.shape[0] != n or moved_batch(x, 0, n, model) is not None:
         return None
+    if not x.requires_grad and _made_inside([x], model):
+        return None  # rows that may be the examples by coincidence: the general path says
     if model is not None:
         model.adopt([x], layout.inputs)
         model.confirm(n)
@@ -815,6 +842,14 @@ def split_call(
     elif n is None:
         mode = "mismatch"
     problem = ""
+    made_inside = (
+        mode == "batched"
+        and n_model is not None
+        and batch_dim == 0
+        and all(d in (0, None) for d in layout.inputs)  # not a layer of its own layout (RNN)
+        and not any(isinstance(a, PackedSequence) for a in (*args, *kwargs.values()))
+        and _made_inside([t for t in in_leaves if isinstance(t, torch.Tensor)], model)
+    )
     if mode == "batched" and n is not None:
         for t, d in zip(in_leaves, layout.inputs, strict=True):
             if isinstance(t, torch.Tensor) and d is not None:
@@ -896,7 +931,26 @@ def split_call(
         out_spec=out_spec,
         values=values,
         versions=versions,
+        made_inside=made_inside,
     )
+
+
+def _made_inside(tensors: list[torch.Tensor], model: ModelCall | None) -> bool:
+    """Whether a call's tensors are all made inside the model without a gradient (no view of
+    its inputs: positions from ``torch.arange``, buckets, a buffer): its rows are the model's
+    examples only if the model treats them so (checked at the model call's end)."""
+    if model is None or not tensors or any(t.requires_grad for t in tensors):
+        return False
+    inputs = {_storage(t) for t in model.inputs}
+    return not any(_storage(t) in inputs for t in tensors)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s data lives (its own identity for tensors without a plain storage: meta,
+    nested, sparse)."""
+    if t.device.type == "meta" or t.is_nested or t.layout != torch.strided:
+        return id(t)
+    return t.untyped_storage().data_ptr()
 
 
 _SHOWN = 3

@@ -419,7 +419,14 @@ def model_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) ->
             if isinstance(t, torch.Tensor) and t.dim() > batch_dim:
                 shape = t.shape[:batch_dim] + t.shape[batch_dim + 1 :]
                 n = int(t.shape[batch_dim])
-                return ModelCall(n, tuple(shape), first=t, dim=batch_dim, source=t)
+                call = ModelCall(n, tuple(shape), first=t, dim=batch_dim, source=t)
+                call.inputs = [
+                    leaf
+                    for v in (*args, *kwargs.values())
+                    for leaf in flat_leaves(v)
+                    if isinstance(leaf, torch.Tensor)
+                ]
+                return call
     return ModelCall(None, None)
 
 
@@ -438,10 +445,11 @@ def in_backward() -> bool:
     return task is not None and int(task()) != -1
 
 
-def refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
+def refuse_batchnorm(module: nn.Module, args: tuple[Any, ...], *, name: str = "") -> None:
     """A forward pre-hook: BatchNorm that normalizes with the batch's statistics mixes the
     examples: in training mode, and in eval mode without running statistics
-    (``track_running_stats=False``), as ``_BatchNorm.forward`` decides."""
+    (``track_running_stats=False``), as ``_BatchNorm.forward`` decides. ``name``: the
+    module's in the model, for the message."""
     if module.training:
         mode = "in training mode"
         fix = "call model.eval() on it (running statistics), or "
@@ -455,7 +463,8 @@ def refuse_batchnorm(module: nn.Module, args: tuple[Any, ...]) -> None:
             "per_example.track(model, ...)",
             "model",
             "layers that treat examples independently",
-            f"{type(module).__name__} {mode}, which normalizes with statistics of the whole "
+            f"{name or 'model'} ({type(module).__name__}) {mode}, which normalizes with "
+            "statistics of the whole "
             "batch (each example's loss depends on every other example, and individual "
             "gradients are not defined)",
             f"{fix}convert the model with gradkit.per_example.replace_batchnorm(model) "

@@ -61,6 +61,7 @@ hook                     fires                        changes
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -429,9 +430,10 @@ class Tracker(TrackerResults):
                     eager(self._model_hook), with_kwargs=True, always_call=True
                 )
             )
-            for module in self._modules.values():
+            for name, module in self._modules.items():
                 if isinstance(module, _BatchNorm):
-                    self._handles.append(module.register_forward_pre_hook(refuse_batchnorm))
+                    refuse = functools.partial(refuse_batchnorm, name=name)
+                    self._handles.append(module.register_forward_pre_hook(refuse))
         except BaseException:
             self._close()
             raise
@@ -563,6 +565,8 @@ class Tracker(TrackerResults):
                         model_call.dims[t.grad_fn] = (d, st.label)
                         if order is not None:
                             model_call.row_orders[t.grad_fn] = order
+                        if call.made_inside:  # checked at the model call's end
+                            model_call.coincident.append((call, t.grad_fn, d, st.label))
             params = {st.pids[k]: p for k, p in st.params.items()}
             # the sum of the gradients at the edges is autograd's product, in the layer's
             # precision: under bf16/fp16 it is rounded there (4e-3 relative), while the second
