@@ -91,3 +91,47 @@ def test_rows_made_inside_that_are_the_examples_or_broadcast_by_shape_are_exact(
         _loss(model(idx), y).backward()
     for name, g in want.items():
         assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+class Flattened(nn.Module):
+    """Rows of positions flattened for a Linear: ``[N, T, d]`` (the examples' rows together) or
+    a transposed ``[T, N, d]`` (each example's rows apart), both ``[N * T, d]``."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+        h = self.a(x)
+        if self.transposed:
+            return self.b(h.transpose(0, 1).reshape(t * n, 4)).view(t, n, 2).sum(0)
+        return self.b(h.reshape(n * t, 4)).view(n, t, 2).sum(1)
+
+
+def test_rows_flattened_from_positions_first_are_refused_when_t_equals_n() -> None:
+    """With T != N the row count already told; with T == N only the graph does."""
+    torch.manual_seed(0)
+    model = Flattened(transposed=True).to(D)
+    x = torch.randn(3, 3, 3, dtype=D)
+    with (
+        pytest.raises(GradkitError, match=r"b \(Linear\) returned outputs of shapes \[\(9, 2\)\]"),
+        track(model, "variance"),
+    ):
+        model(x).pow(2).sum().backward()
+
+
+def test_rows_flattened_from_examples_first_are_exact_when_t_equals_n() -> None:
+    torch.manual_seed(0)
+    model = Flattened(transposed=False).to(D)
+    x, y = torch.randn(3, 3, 3, dtype=D), torch.randn(3, 2, dtype=D)
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).sum()
+
+    want = per_example_grads(model, loss, x, y)
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        loss(model(x), y).backward()
+    for name, g in want.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)

@@ -633,9 +633,14 @@ def merged_positions(node: Any, model: ModelCall, depth: int = 8) -> int | None:
             return model.merged[node]
         if type(node).__name__ in _RESHAPES:
             sizes = tuple(int(s) for s in getattr(node, "_saved_self_sym_sizes", ()))
-            if len(sizes) >= 3 and sizes[0] == model.n:
-                return int(torch.Size(sizes[1:-1]).numel())
-            return None
+            if len(sizes) < 3 or sizes[0] != model.n:
+                return None
+            if sizes[1:-1].count(model.n):  # [T, N, d] with T == N passes by its sizes
+                child = node.next_functions[0][0]
+                traced = _trace(child, list(range(len(sizes))), model, [32], ()) if child else None
+                if traced is not None and traced[0] != 0:
+                    return None  # the examples are in another dimension: not [N, T] rows
+            return int(torch.Size(sizes[1:-1]).numel())
         inputs = [nxt for nxt, _ in node.next_functions if nxt is not None]
         if len(inputs) > 1 and type(node).__name__ in _ELEMENTWISE and depth > 1:
             # every input merged alike (a parameter or a broadcast tensor is not: None)
