@@ -100,3 +100,45 @@ def test_an_expanded_output_that_is_broadcast_is_exact(how: str) -> None:
         _loss(model(x), y).backward()
     for name, g in want.items():
         assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+class Latents(nn.Module):
+    """Learned latents ``[1, L, d]`` (a module of their own, so expanded by the tracker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lat = nn.Parameter(torch.linspace(-1.0, 1.0, 3 * 8).reshape(1, 3, 8))
+
+    def forward(self) -> torch.Tensor:
+        return self.lat
+
+
+class CrossAttends(nn.Module):
+    """Latent queries attending to each example's features through ``nn.MultiheadAttention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.latents = Latents()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.inp(x)
+        q = self.latents().expand(x.shape[0], -1, -1)
+        return self.head(self.mha(q, f, f)[0]).mean(1)
+
+
+def test_expanded_latents_through_a_fallback_module_are_exact() -> None:
+    """The consumer walk steps over a tracked call: the transposes inside torch's attention
+    were taken for the model's own (a false refusal)."""
+    torch.manual_seed(0)
+    model = CrossAttends().to(D)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(0)
+    x = torch.randn(N, 6, 5, dtype=D, generator=gen)
+    y = torch.randn(N, 2, dtype=D, generator=gen)
+    want = per_example_grads(model, _loss, x, y)
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        _loss(model(x), y).backward()
+    for name, g in want.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-9, atol=1e-12)

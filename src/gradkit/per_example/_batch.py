@@ -73,6 +73,9 @@ class ModelCall:
     # dimension, label)
     coincident: list[tuple[Any, Any, int, str]] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)  # the model call's tensors
+    # output node of a tracked call made after something was expanded -> its inputs' nodes: the
+    # consumer walk steps over the call (a fallback module's own transposes are its business)
+    call_inputs: dict[Any, list[Any]] = field(default_factory=dict)
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -222,7 +225,10 @@ def check_broadcast_consumers(output: Any, model: ModelCall) -> None:
         node, children_done = stack.pop()
         if node in reach:
             continue
-        nexts = [(k, nxt) for k, (nxt, _) in enumerate(node.next_functions) if nxt is not None]
+        if node in model.call_inputs:
+            nexts = list(enumerate(model.call_inputs[node]))
+        else:
+            nexts = [(k, nxt) for k, (nxt, _) in enumerate(node.next_functions) if nxt is not None]
         if not children_done:
             stack.append((node, True))
             stack.extend((nxt, False) for _, nxt in nexts if nxt not in reach)

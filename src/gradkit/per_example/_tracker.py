@@ -567,6 +567,12 @@ class Tracker(TrackerResults):
                             model_call.row_orders[t.grad_fn] = order
                         if call.made_inside:  # checked at the model call's end
                             model_call.coincident.append((call, t.grad_fn, d, st.label))
+                        if model_call.expanded or model_call.coincident:
+                            model_call.call_inputs[t.grad_fn] = [
+                                a.grad_fn
+                                for a in flat_leaves((args, kwargs))
+                                if isinstance(a, torch.Tensor) and a.grad_fn is not None
+                            ]
             params = {st.pids[k]: p for k, p in st.params.items()}
             # the sum of the gradients at the edges is autograd's product, in the layer's
             # precision: under bf16/fp16 it is rounded there (4e-3 relative), while the second
