@@ -608,10 +608,7 @@ def _saved_dims_named(node: Any, name: str, rank: int | None) -> tuple[int, ...]
     if saved is None:
         return None
     out = []
-    for d in saved if isinstance(saved, tuple) else (saved,):
-        d = int(d)
-        if d >= 2**63:
-            d -= 2**64
+    for d in map(_signed, saved if isinstance(saved, tuple) else (saved,)):
         out.append(d % rank if rank and d < 0 else d)
     return tuple(out)
 

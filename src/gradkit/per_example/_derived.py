@@ -120,13 +120,21 @@ def noise_parts(stats: Any, names: Any, call: str) -> tuple[float, float]:
     scale. Smoothed separately over windows they give a steadier ratio than the windows'
     ratios (what :class:`~gradkit.accumulate.AdaptiveBatchSize` does)."""
     tr = g2 = 0.0
-    for s in _select(stats, names, call):
-        _check_two(s, call)
-        t = float(s.var(unbiased=True).double().sum())
+    for s, t in _traces(stats, names, call):
         tr += t
         if s.num_examples:
             g2 += signal(float(s.mean.double().square().sum()), t, s.num_examples)
     return tr, g2
+
+
+def _traces(stats: Any, names: Any, call: str) -> list[tuple[ParamStats, float]]:
+    """Each parameter of ``names`` with ``tr(Sigma)`` of its individual gradients (the
+    unbiased variance, summed in float64)."""
+    out = []
+    for s in _select(stats, names, call):
+        _check_two(s, call)
+        out.append((s, float(s.var(unbiased=True).double().sum())))
+    return out
 
 
 def _check_two(s: ParamStats, call: str) -> None:
@@ -141,15 +149,6 @@ def _check_two(s: ParamStats, call: str) -> None:
                 "example has no variance)",
             )
         )
-
-
-def _trace_and_norm(stats: Any, names: Any, call: str) -> tuple[float, float]:
-    tr = norm2 = 0.0
-    for s in _select(stats, names, call):
-        _check_two(s, call)
-        tr += float(s.var(unbiased=True).sum())
-        norm2 += float(s.mean.double().square().sum())
-    return tr, norm2
 
 
 def _ratio(tr: float, norm2: float) -> float:
@@ -351,7 +350,7 @@ def cabs_estimate(
                 "current (positive) training loss",
             )
         )
-    tr, _ = _trace_and_norm(stats, names, call)
+    tr = sum(t for _, t in _traces(stats, names, call))
     return lr * tr / loss_value
 
 
