@@ -316,7 +316,7 @@ class AdaptiveBatchSize:
         still logged in :attr:`history`.
         """
         from gradkit.per_example import ParamStats
-        from gradkit.per_example._derived import _ratio, cabs_estimate, noise_parts
+        from gradkit.per_example._derived import _ratio, cabs_estimate, ema, noise_parts
 
         call = "AdaptiveBatchSize.update(stats, loss)"
         if (
@@ -364,16 +364,15 @@ class AdaptiveBatchSize:
             assert self.lr is not None
             estimate = cabs_estimate(stats, self.lr, loss, None, call)
             if math.isfinite(estimate):
-                self._ema = self._smooth(self._ema, estimate)
+                self._ema = ema(self._ema, estimate, self.smoothing)
         else:
             trace, g2 = noise_parts(stats, None, call)
             estimate = _ratio(trace, g2)
             if math.isfinite(trace) and math.isfinite(g2) and (trace or g2):
-                old = self._parts
+                old = self._parts or (None, None)
                 self._parts = (
-                    (trace, g2)
-                    if old is None
-                    else (self._smooth(old[0], trace), self._smooth(old[1], g2))
+                    ema(old[0], trace, self.smoothing),
+                    ema(old[1], g2, self.smoothing),
                 )
                 self._ema = _ratio(*self._parts)
         target = self._ema if self._ema is not None else float(self.micro_batch_size)
@@ -392,6 +391,3 @@ class AdaptiveBatchSize:
             }
         )
         return self.num_micro
-
-    def _smooth(self, old: float | None, new: float) -> float:
-        return new if old is None else self.smoothing * old + (1 - self.smoothing) * new

@@ -14,6 +14,7 @@ from torch import nn
 from gradkit.per_example import track
 from gradkit.per_example._derived import (
     _ratio,
+    ema,
     largest_second_moment,
     median,
     noise_parts,
@@ -97,16 +98,12 @@ def smoothed(parts: list[dict[str, float]]) -> list[float]:
     """The noise scale after each step from moving averages of its two parts (``trace`` and
     ``signal``, see :func:`gradkit.per_example._derived.noise_parts`); ``inf`` while the
     averaged signal is not positive."""
-    out, trace, signal = [], None, None
+    out: list[float] = []
+    trace: float | None = None
+    signal: float | None = None
     for part in parts:
-        trace = (
-            part["trace"] if trace is None else SMOOTHING * trace + (1 - SMOOTHING) * part["trace"]
-        )
-        signal = (
-            part["signal"]
-            if signal is None
-            else SMOOTHING * signal + (1 - SMOOTHING) * part["signal"]
-        )
+        trace = ema(trace, part["trace"], SMOOTHING)
+        signal = ema(signal, part["signal"], SMOOTHING)
         out.append(_ratio(trace, signal))
     return out
 

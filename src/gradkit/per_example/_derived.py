@@ -34,6 +34,7 @@ __all__ = [
     "ROUNDING",
     "cabs_batch_size",
     "cabs_estimate",
+    "ema",
     "gradient_snr",
     "median",
     "noise_parts",
@@ -135,6 +136,12 @@ def _traces(stats: Any, names: Any, call: str) -> list[tuple[ParamStats, float]]
         _check_two(s, call)
         out.append((s, float(s.var(unbiased=True).double().sum())))
     return out
+
+
+def ema(old: float | None, new: float, smoothing: float) -> float:
+    """One step of an exponential moving average (``new`` where there is none yet): how the
+    noise scale's parts and CABS estimates are smoothed over windows."""
+    return new if old is None else smoothing * old + (1 - smoothing) * new
 
 
 def _check_two(s: ParamStats, call: str) -> None:

@@ -151,7 +151,7 @@ class PowerSums:
     l2: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     owner: torch.Tensor | None = None  # the parameter, whose batch_grad storage is reused
-    # (module, whether its input rows were the examples in another order): see row_order_flags
+    # (module, whether its input rows were the examples in another order): see _batch.row_order
     reordered: list[tuple[str, Any]] = field(default_factory=list)
 
     @property
