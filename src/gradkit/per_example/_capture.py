@@ -31,6 +31,7 @@ from gradkit.per_example._outside import check_outside_uses, checked_module
 from gradkit.per_example._registry import (
     Use,
     _parametrized,
+    builtin,
     find_rule,
     power_iteration,
     reparametrized,
@@ -111,6 +112,11 @@ class ModuleState:
     hook_id: int | None = None  # the tracker's forward hook, first of the module's (a rule's)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # of params, at the last check
     pending: list[tuple[UseRecord, list[torch.Tensor | None]]] = field(default_factory=list)
+
+    @functools.cached_property
+    def builtin(self) -> bool:
+        """Whether the rule is one of gradkit's own (read once: the hooks ask at every call)."""
+        return builtin(self.rule)
 
     @functools.cached_property
     def label(self) -> str:
