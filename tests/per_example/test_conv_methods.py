@@ -28,12 +28,15 @@ CONVS = {
 }
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "copied"])
 @pytest.mark.parametrize("method", _conv._METHODS)
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_each_method_matches_the_oracle(
-    name: str, method: str, monkeypatch: pytest.MonkeyPatch
+    name: str, method: str, gather: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_conv, "_FORCE", method)
+    # the patches gathered by index (short rows) or copied from the strided view (long rows)
+    monkeypatch.setattr(_conv, "_GATHER_BELOW", 10**9 if gather else 0)
     make, shape = CONVS[name]
     torch.manual_seed(0)
     model = nn.Sequential(make(), nn.Tanh(), nn.Flatten()).double()
@@ -49,6 +52,32 @@ def test_each_method_matches_the_oracle(
         torch.testing.assert_close(stats[pname].batch_grad, g, rtol=1e-10, atol=1e-12)
         var = g.var(0, unbiased=False)
         torch.testing.assert_close(stats[pname].variance, var, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "copied"])
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda: nn.Conv2d(3, 4, 3), (6, 3, 6, 6)),
+        (
+            lambda: nn.Conv2d(3, 4, (2, 3), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+            (2, 3, 7, 9),
+        ),
+        (lambda: nn.Conv2d(2, 4, 3, padding=1), (0, 2, 5, 5)),  # no example
+    ],
+)
+def test_patches_are_f_unfolds_bit_for_bit(
+    make: Any, shape: tuple[int, ...], gather: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both copies give ``F.unfold``'s patches exactly, also of a channels-last input (not
+    gathered: its flat layout is another) and of a batch of no example."""
+    monkeypatch.setattr(_conv, "_GATHER_BELOW", 10**9 if gather else 0)
+    conv = make()
+    for x in (torch.randn(shape), torch.randn(shape).to(memory_format=torch.channels_last)):
+        expected = torch.nn.functional.unfold(
+            x, conv.kernel_size, conv.dilation, conv.padding, conv.stride
+        )
+        assert torch.equal(_conv.unfold_patches(x, conv), expected)
 
 
 @pytest.fixture
