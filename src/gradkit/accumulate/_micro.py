@@ -42,6 +42,7 @@ from gradkit.accumulate._micro_checks import (
     check_optimizer_covers,
     check_scaler,
     check_scheduler,
+    check_summed,
     find_ddp,
     is_bad,
     prepare_fsdp2,
@@ -312,6 +313,7 @@ class Accumulator:
                 "micro-batch and keeps DDP from synchronizing"
             )
         check_loss(loss, call)
+        check_summed(loss, call)
         check_ddp_forward(self.model, call)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self._backward_done = True

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._errors import GradkitError, describe, message
+from gradkit.per_example._layout import loss_reductions
 
 __all__ = [
     "as_count",
@@ -275,6 +276,30 @@ def check_loss(loss: Any, call: str) -> None:
                 "a loss computed from the model's parameters (requires_grad=True)",
                 "a tensor that does not require grad",
                 "compute it inside the block, outside torch.no_grad() and without .detach()",
+            )
+        )
+
+
+def check_summed(loss: torch.Tensor, call: str) -> None:
+    """Refuse a loss whose graph records a mean over more than one row: a torch loss with its
+    default ``reduction="mean"`` (Hugging Face's ``.loss`` among them), a ``reduction="none"``
+    loss's ``.mean()``, also with a regularizer added. Each micro-batch's items would weigh
+    ``1/n_j`` instead of ``1/N``. A mean the graph does not record (a sum divided by hand, a
+    custom loss, a mean times the micro-batch's count) is not seen."""
+    for found in loss_reductions([loss]):
+        if found.reduction != "mean" or found.rows == 1:
+            continue
+        over = f"{found.rows} rows" if found.rows is not None else "its rows"
+        raise GradkitError(
+            message(
+                call,
+                "loss",
+                "a sum over the micro-batch's items (step() divides by the window's count, once)",
+                f"a loss that ends in {found.label}, a mean over {over}",
+                "build it with reduction='sum' (e.g. F.cross_entropy(logits, y, "
+                "reduction='sum')) or multiply the mean by the micro-batch's count; a Hugging "
+                "Face model's .loss is a mean over its tokens: sum the token losses from its "
+                "logits and pass the token count as micro_step(count=...)",
             )
         )
 
