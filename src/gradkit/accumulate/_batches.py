@@ -1,12 +1,14 @@
 """Batches as the loader gives them (a tensor, or a tuple/list/dict of tensors with the
-examples along dimension 0): counting their examples and splitting them into micro-batches.
+examples along dimension 0, or along ``batch_dim`` for a sequence-first batch): counting their
+examples and splitting them into micro-batches.
 
 Index legend: ``n`` examples of the batch, ``k`` micro-batches, ``*`` per-example dims.
-Every tensor of a batch is ``[n, *]`` with the same ``n``. A list of ``n`` plain values
-(strings, numbers, ``None``: no tensor or container among them) holds one value per example,
-as ``default_collate`` makes a string field, and is split with the tensors. Other leaves are
-shared by every micro-batch (a tuple of plain values is, whatever its length). Arrays that are
-not tensors (NumPy's) are refused: shared, their examples would reach every micro-batch.
+Every tensor of a batch is ``[n, *]`` (``[T, n, *]`` with ``batch_dim=1``) with the same
+``n``. A list of ``n`` plain values (strings, numbers, ``None``: no tensor or container among
+them) holds one value per example, as ``default_collate`` makes a string field, and is split
+with the tensors. Other leaves are shared by every micro-batch (a tuple of plain values is,
+whatever its length). Arrays that are not tensors (NumPy's) are refused: shared, their
+examples would reach every micro-batch.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def _arrays(batch: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield p, leaf
 
 
-def batch_size(batch: Any, call: str = _SPLIT) -> int:
-    """The number of examples ``n`` of ``batch``: dimension 0 of its tensors, which must agree.
+def batch_size(batch: Any, call: str = _SPLIT, batch_dim: int = 0) -> int:
+    """The number of examples ``n`` of ``batch``: dimension ``batch_dim`` of its tensors, which
+    must agree.
 
     Examples:
         >>> import torch
@@ -83,28 +86,36 @@ def batch_size(batch: Any, call: str = _SPLIT) -> int:
             )
         )
     for path, t in leaves:
-        if t.dim() == 0:
+        if t.dim() <= batch_dim:
+            fix = (
+                "give every tensor of the batch a leading examples dimension (t[None] for one "
+                "example)"
+                if batch_dim == 0
+                else "split a batch whose tensors hold the examples along different dimensions "
+                "by hand, giving each micro-step its count (acc.micro_step(count=...))"
+            )
             raise ValueError(
                 message(
                     call,
                     path,
-                    "a tensor with the examples along dimension 0",
-                    "a 0-dimensional tensor",
-                    "give every tensor of the batch a leading examples dimension (t[None] for one "
-                    "example)",
+                    f"a tensor with the examples along dimension {batch_dim} (batch_dim)",
+                    f"a {t.dim()}-dimensional tensor of shape {tuple(t.shape)}",
+                    fix,
                 )
             )
-    sizes = {path: int(t.shape[0]) for path, t in leaves}
+    sizes = {path: int(t.shape[batch_dim]) for path, t in leaves}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{p}: {n}" for p, n in sizes.items())
         raise ValueError(
             message(
                 call,
                 "batch",
-                "tensors with the same number of examples (dimension 0)",
+                f"tensors with the same number of examples (dimension {batch_dim})",
                 listed,
                 "pass inputs and targets of the same length; slicing them together would pair "
-                "examples with the wrong targets and leave some micro-batches empty",
+                "examples with the wrong targets and leave some micro-batches empty (a "
+                "sequence-first batch, [T, N, ...], holds them along dimension 1: pass "
+                "batch_dim=1)",
             )
         )
     return next(iter(sizes.values()))
@@ -120,24 +131,29 @@ def _per_example(value: Any, n: int) -> bool:
     )
 
 
-def slice_batch(batch: Any, start: int, stop: int, n: int | None = None) -> Any:
-    """Examples ``start:stop`` of every tensor of ``batch`` and of its lists of ``n`` plain
-    values (other leaves shared); ``n``: the batch's examples (:func:`batch_size` if None)."""
+def slice_batch(batch: Any, start: int, stop: int, n: int | None = None, batch_dim: int = 0) -> Any:
+    """Examples ``start:stop`` of every tensor of ``batch`` (along ``batch_dim``) and of its
+    lists of ``n`` plain values (other leaves shared); ``n``: the batch's examples
+    (:func:`batch_size` if None)."""
     if n is None:
-        n = batch_size(batch)
+        n = batch_size(batch, batch_dim=batch_dim)
     if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
+        return batch.narrow(batch_dim, start, stop - start)
     if isinstance(batch, Mapping):
-        return {k: slice_batch(v, start, stop, n) for k, v in batch.items()}
+        return {k: slice_batch(v, start, stop, n, batch_dim) for k, v in batch.items()}
     if _per_example(batch, n):
         return batch[start:stop]
     if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop, n) for v in batch)
+        return type(batch)(slice_batch(v, start, stop, n, batch_dim) for v in batch)
     return batch  # non-tensor leaves are shared by every micro-batch
 
 
 def split_batch(
-    batch: Any, *, micro_batch_size: int | None = None, num_micro_batches: int | None = None
+    batch: Any,
+    *,
+    micro_batch_size: int | None = None,
+    num_micro_batches: int | None = None,
+    batch_dim: int = 0,
 ) -> list[Any]:
     """Split a batch into micro-batches: of ``micro_batch_size`` examples (the last may be
     shorter), or ``num_micro_batches`` parts whose sizes differ by at most one.
@@ -152,6 +168,9 @@ def split_batch(
         batch: a tensor ``[n, *]``, or a tuple/list/dict of them (nested is fine).
         micro_batch_size: examples per micro-batch (a positive int), or
         num_micro_batches: the number of micro-batches (a positive int).
+        batch_dim: the dimension of every tensor that holds the examples: 1 for a
+            sequence-first batch (``[T, N, ...]``, as ``nn.LSTM`` and ``nn.Transformer`` take
+            by default), which split along dimension 0 would give micro-batches of time steps.
 
     Returns:
         the micro-batches, each of the batch's structure.
@@ -168,7 +187,10 @@ def split_batch(
         >>> [m["text"] for m in split_batch({"x": torch.zeros(3, 2), "text": ["a", "b", "c"]},
         ...                                 micro_batch_size=2)]
         [['a', 'b'], ['c']]
+        >>> [m.shape for m in split_batch(torch.zeros(7, 5, 3), micro_batch_size=2, batch_dim=1)]
+        [torch.Size([7, 2, 3]), torch.Size([7, 2, 3]), torch.Size([7, 1, 3])]
     """
+    dim = check_int(batch_dim, _SPLIT, "batch_dim", low=0, example=1)
     if (micro_batch_size is None) == (num_micro_batches is None):
         raise ValueError(
             message(
@@ -181,14 +203,14 @@ def split_batch(
         )
     if micro_batch_size is not None:
         size = check_int(micro_batch_size, _SPLIT, "micro_batch_size", low=1, example=8)
-        n = batch_size(batch)
-        return [slice_batch(batch, s, min(s + size, n), n) for s in range(0, n, size)]
+        n = batch_size(batch, batch_dim=dim)
+        return [slice_batch(batch, s, min(s + size, n), n, dim) for s in range(0, n, size)]
     parts = check_int(num_micro_batches, _SPLIT, "num_micro_batches", low=1, example=4)
-    n = batch_size(batch)
+    n = batch_size(batch, batch_dim=dim)
     k = min(parts, n)
     out, start = [], 0
     for i in range(k):
         stop = start + n // k + (1 if i < n % k else 0)
-        out.append(slice_batch(batch, start, stop, n))
+        out.append(slice_batch(batch, start, stop, n, dim))
         start = stop
     return out

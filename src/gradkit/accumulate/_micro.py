@@ -48,6 +48,7 @@ from gradkit.accumulate._micro_checks import (
     prepare_fsdp2,
     read_counts,
     resolve_count,
+    sequence_first_layer,
 )
 from gradkit.accumulate._window import (
     all_reduce_grads,
@@ -182,6 +183,7 @@ class Accumulator:
         self.windows = 0
         self.skipped = 0
         self._warned_bn = False
+        self._warned_layout = False  # see _check_sequence_first
         self._in_micro = False
         self._backward_done = False
         self._pending: int | None = None  # examples of the micro-batch split() just yielded
@@ -211,20 +213,47 @@ class Accumulator:
         *,
         micro_batch_size: int | None = None,
         num_micro_batches: int | None = None,
+        batch_dim: int | None = None,
     ) -> Iterator[Any]:
         """Yield the micro-batches of ``batch`` (see :func:`split_batch`); a
-        :meth:`micro_step` without ``count`` counts the examples of the one just yielded."""
+        :meth:`micro_step` without ``count`` counts the examples of the one just yielded.
+
+        ``batch_dim``: the dimension of the batch's tensors that holds the examples (1 for a
+        sequence-first ``[T, N, ...]`` batch). Left out, it is 0, with a warning (once per
+        accumulator) where the model has a sequence-first layer (an RNN or attention with
+        ``batch_first=False``): split along dimension 0, a sequence-first batch would give
+        micro-batches of time steps, not of examples. Pass it to say which."""
+        if batch_dim is None:
+            batch_dim = 0
+            self._check_sequence_first()
         parts = split_batch(
-            batch, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches
+            batch,
+            micro_batch_size=micro_batch_size,
+            num_micro_batches=num_micro_batches,
+            batch_dim=batch_dim,
         )
         try:
             for i, part in enumerate(parts):
-                self._pending = batch_size(part)
+                self._pending = batch_size(part, batch_dim=batch_dim)
                 self._pending_last = i == len(parts) - 1
                 yield part
         finally:
             self._pending = None
             self._pending_last = None
+
+    def _check_sequence_first(self) -> None:
+        name = None if self._warned_layout else sequence_first_layer(self.model)
+        if name is not None:
+            self._warned_layout = True
+            warnings.warn(
+                f"Accumulator.split(batch, ...): {name} takes its examples along dimension 1 "
+                "(batch_first=False), and the batch is split along dimension 0 (batch_dim "
+                "left out). A sequence-first batch ([T, N, ...]) split there gives micro-batches "
+                "of time steps, whose accumulated gradient is not the batch's: pass "
+                "batch_dim=1. If the batch is batch-first and the model transposes it, pass "
+                "batch_dim=0 to say so.",
+                stacklevel=3,
+            )
 
     @contextlib.contextmanager
     def micro_step(self, count: Any = None, *, last: bool | None = None) -> Iterator[None]:
