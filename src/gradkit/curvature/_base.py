@@ -24,6 +24,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
+from gradkit._autograd import second_order_message
 from gradkit._errors import GradkitError, message
 from gradkit._state import TensorState, named_state
 from gradkit._validate import (
@@ -157,13 +158,8 @@ class CurvatureOperator(FlatVectors):
         )
         with torch.enable_grad():
             point = data.first(lambda: self._make_point(inputs, targets, index), self.dtype)
-        if point.errors:
-            raise GradkitError(
-                f"{self._call}: the model's backward cannot be differentiated again (graph "
-                f"nodes {point.errors}, left by an autograd.Function whose backward is marked "
-                "@once_differentiable); curvature products differentiate the backward pass: "
-                "write that backward with differentiable torch operations"
-            )
+        if point.errors:  # curvature products differentiate the backward pass
+            raise GradkitError(second_order_message(self._call, point.errors))
         self._data.warn_unused([self.names[i] for i in point.unused])
         if self._data.single:
             self._point = point

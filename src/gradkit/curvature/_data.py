@@ -35,7 +35,6 @@ __all__ = [
     "Data",
     "LossFn",
     "check_generator",
-    "find_error_nodes",
     "forward_graph",
     "select_params",
 ]
@@ -148,18 +147,6 @@ def forward_graph(out: torch.Tensor) -> tuple[set[int], bool]:
             reached.add(id(variable))
         has_custom = has_custom or isinstance(node, custom)
     return reached, has_custom
-
-
-def find_error_nodes(forward: torch.Tensor, grads: Iterable[torch.Tensor | None]) -> list[str]:
-    """Names of nodes in the graph of the first gradients ``grads`` that silently drop a second
-    backward: the ``Error`` nodes an ``@once_differentiable`` backward leaves. Only custom
-    ``autograd.Function`` nodes in the forward graph (of ``forward``) can leave them, so that
-    smaller graph is searched first."""
-    custom = torch.autograd.function.BackwardCFunction
-    if not any(isinstance(n, custom) for n in graph_nodes([forward.grad_fn])):
-        return []
-    roots = [t.grad_fn for t in grads if t is not None and t.grad_fn is not None]
-    return sorted({n.name() for n in graph_nodes(roots) if "Error" in type(n).__name__})
 
 
 def _labelled(inputs: Any, targets: Any, where: str) -> list[tuple[str, torch.Tensor]]:

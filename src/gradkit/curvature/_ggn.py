@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from gradkit._autograd import find_error_nodes
 from gradkit._errors import GradkitError, describe, message
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
-from gradkit.curvature._data import Data, find_error_nodes, forward_graph
+from gradkit.curvature._data import Data, forward_graph
 from gradkit.curvature._diag import factor_diagonal
 from gradkit.func._common import unbatched_retry
 
@@ -63,7 +64,7 @@ class JPoint:
         self.unused = [i for i, p in enumerate(layout.params) if id(p) not in reached]
         self.errors = []
         if custom:
-            self.errors = find_error_nodes(out, self.g)
+            self.errors = find_error_nodes(out, self.g, weight_norm=False)  # J v: linear in u
 
     @property
     def g(self) -> tuple[torch.Tensor | None, ...]:

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from gradkit._autograd import find_error_nodes
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError
 from gradkit.curvature._base import CurvatureOperator, Layout, Point
-from gradkit.curvature._data import Data, find_error_nodes
+from gradkit.curvature._data import Data
 from gradkit.curvature._mlp_diag import mlp_hessian_diagonal, mlp_layers
 
 __all__ = ["Hessian"]

@@ -110,6 +110,14 @@ def _mutation_errors(call: str) -> Iterator[None]:
                 "tangents through it in one vmap, each with its own draw; make f deterministic "
                 "(model.eval()), or pass mode='reverse', which runs f once (one draw)"
             ) from err
+        if "must override the setup_context staticmethod" in text:
+            raise GradkitError(
+                f"{call}: f: expected operations torch.func transforms can differentiate, got "
+                "a custom autograd.Function whose forward takes ctx (no setup_context), which "
+                "they cannot run; give it a forward without ctx and a setup_context(ctx, "
+                "inputs, output) (torch.autograd.Function's docs), or differentiate by double "
+                "backward: gradkit.func.hessians(ys, xs) or module_hvp(...)"
+            ) from err
         raise
 
 

@@ -21,6 +21,7 @@ from typing import Any, overload
 
 import torch
 
+from gradkit._autograd import first_grads
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError, describe, message
 from gradkit._forward_ad import load_decompositions
@@ -122,7 +123,7 @@ def hvp(
             value = f(*xs)
             _check_scalar(value, call)
             _check_floating_output(value, call)
-            gs = torch.autograd.grad(value, xs, create_graph=True, allow_unused=True)
+            gs = first_grads(value, xs, call=call)
             res = _second_grads(gs, xs, vs, retain_graph=False)
         value = value.detach()
     return value, (tuple(res) if was_seq else res[0])
@@ -191,7 +192,7 @@ class HVPOperator:
         _check_floating_output(value, call)
         _check_one_dtype(xs, call)
         self._xs = list(xs)
-        self._gs = torch.autograd.grad(value, self._xs, create_graph=True, allow_unused=True)
+        self._gs = first_grads(value, self._xs, call=call)
         if track is None:  # the arguments, and the leaves the function captured (parameters)
             own = {id(x) for x in self._xs}
             captured = [t for t in graph_leaves([value]) if id(t) not in own]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradkit._autograd import first_grads
 from gradkit._errors import describe, message
 from gradkit._params import LossFn
 from gradkit.func._common import _check_scalar
@@ -89,10 +90,10 @@ def module_ggnvp(
         _check_scalar(loss, call)
         if calls and not _only_recorded_uses(out, calls, owners or {}, chosen):
             calls = None  # a chosen parameter is used outside its layer: the plain trick
-        jv = _jvp(out, xs, vs, owners, calls) if out.requires_grad else None
+        jv = _jvp(out, xs, vs, owners, calls, call) if out.requires_grad else None
         hjv = None
         if jv is not None:
-            (r,) = torch.autograd.grad(loss, od, create_graph=True, allow_unused=True)
+            (r,) = first_grads(loss, [od], call=call)
             if r is not None and r.requires_grad:  # else a loss linear in the output
                 (hjv,) = torch.autograd.grad(r, od, jv, allow_unused=True)
         if hjv is None:
@@ -110,18 +111,19 @@ def _jvp(
     vs: Mapping[str, torch.Tensor],
     owners: Mapping[nn.Module, Mapping[str, str]] | None,
     calls: Any,
+    call: str,
 ) -> torch.Tensor | None:
     """``J v`` (None where the output does not depend on the chosen parameters)."""
     u = torch.zeros_like(out, requires_grad=True)
     if owners is not None and calls:
         zs = [z for _, _, z in calls]
-        grads_z = torch.autograd.grad(out, zs, u, create_graph=True, allow_unused=True)
+        grads_z = first_grads(out, zs, u, call=call, weight_norm=False)  # J v: linear in u
         total = _layer_directional(calls, grads_z, owners, vs)
         if total is None or not total.requires_grad:
             return None
         (jv,) = torch.autograd.grad(total, u, allow_unused=True)
         return jv
-    gs = torch.autograd.grad(out, xs, u, create_graph=True, allow_unused=True)
+    gs = first_grads(out, xs, u, call=call, weight_norm=False)
     live = [
         (g, v) for g, v in zip(gs, vs.values(), strict=True) if g is not None and g.requires_grad
     ]

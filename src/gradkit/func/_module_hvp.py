@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from gradkit._autograd import edges_into
+from gradkit._autograd import edges_into, first_grads
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import describe, message
 from gradkit._params import LossFn, select_params
@@ -96,7 +96,7 @@ def module_hvp(
         if res is None:
             loss = _loss(model, loss_fn, batch, call)
             xs = list(chosen.values())
-            gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
+            gs = first_grads(loss, xs, call=call)
             res = _second_grads(gs, xs, list(vs.values()), retain_graph=False)
     return {n: r.detach() for n, r in zip(chosen, res, strict=True)}
 
@@ -255,7 +255,7 @@ def _layer_output_hvp(
     if not calls or not _only_recorded_uses(loss, calls, owners, chosen):
         return None
     zs = [z for _, _, z in calls]
-    grads_z = torch.autograd.grad(loss, zs, create_graph=True, allow_unused=True)
+    grads_z = first_grads(loss, zs, call=call)
     total = _layer_directional(calls, grads_z, owners, vs)
     xs = list(chosen.values())
     if total is None or not total.requires_grad:  # second derivative identically zero

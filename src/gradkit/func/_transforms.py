@@ -14,7 +14,8 @@ from typing import Any, overload
 
 import torch
 
-from gradkit._errors import describe, message
+from gradkit._autograd import first_grads
+from gradkit._errors import GradkitError, describe, message
 from gradkit._forward_ad import load_decompositions
 from gradkit._validate import (
     check_bool,
@@ -313,7 +314,14 @@ def hessian(
             call,
             float((h - h.T).abs().max()),
         )
-        h = _hessian_double_backward(flat_f, v0, chunk)
+        h = _hessian_double_backward(flat_f, v0, chunk, call)
+        if not _symmetric(h):  # torch's own double backward is wrong there too
+            raise GradkitError(
+                f"{call}: f's Hessian came out asymmetric by torch.func and by double backward "
+                f"(max |H - H^T| = {float((h - h.T).abs().max()):.3g}), so one of its operations "
+                "has a wrong second derivative in this torch; check it with "
+                "torch.autograd.gradgradcheck and write it with other operations"
+            )
     o_shape = h.shape[:-2]
     if isinstance(argnums, int):
         return h.reshape((*o_shape, *primals[0].shape, *primals[0].shape))
@@ -347,13 +355,13 @@ def _symmetric(h: torch.Tensor) -> bool:
 
 
 def _hessian_double_backward(
-    f: Callable[[torch.Tensor], Any], v0: torch.Tensor, chunk: int
+    f: Callable[[torch.Tensor], Any], v0: torch.Tensor, chunk: int, call: str
 ) -> torch.Tensor:
     """The Hessian of a scalar ``f`` at the flat ``v0`` by rows of double backward."""
     with torch.enable_grad():
         x = v0.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(f(x), x, create_graph=True)
-        if not g.requires_grad:
+        (g,) = first_grads(f(x), [x], call=call)
+        if g is None or not g.requires_grad:
             return torch.zeros(x.numel(), x.numel(), dtype=x.dtype, device=x.device)
         eye = torch.eye(x.numel(), dtype=x.dtype, device=x.device)
         rows = [
