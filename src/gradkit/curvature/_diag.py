@@ -81,6 +81,26 @@ def _read(layout: Layout, stats: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _check_rows(out: torch.Tensor, n: int, call: str) -> None:
+    """The per-example sums need each example's outputs in its own rows: a model output whose
+    dimension 0 is not the batch's ``n`` examples (``[N * T, C]`` logits of ``[N, T]`` ids)
+    would have the squares taken of sums over an example's tokens, cross terms included."""
+    if out.dim() == 0 or out.shape[0] != n:
+        rows = "no dimension 0" if out.dim() == 0 else f"{out.shape[0]} rows along dimension 0"
+        raise GradkitError(
+            message(
+                call,
+                "model",
+                f"an output with the batch's {n} examples along dimension 0 (the inputs' "
+                "dimension 0), for the exact diagonal from per-example gradients",
+                f"an output of shape {tuple(out.shape)}, {rows}",
+                "return the outputs with the examples first ([N, T, C] logits, not flattened to "
+                "[N * T, C]) and flatten them in loss_fn, or use method='hutchinson' or "
+                "'hutch++'",
+            )
+        )
+
+
 def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) -> torch.Tensor:
     """The exact diagonal of ``sum_b w_b J_b^T M_b J_b`` over the parameters of ``layout``
     given ``factors(out, targets, index) -> (pos [C+, *out], neg [C-, *out])`` per batch (see
@@ -103,6 +123,7 @@ def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) 
             with torch.enable_grad():
                 with track(data.model, "second_moment", loss_reduction="sum") as stats:
                     out = data.forward(inputs)
+                    _check_rows(out, n, call)
                     pos, neg = factors(out.detach(), targets, index)
                     _push(layout, out, pos)
                 total += weight * _read(layout, stats)
