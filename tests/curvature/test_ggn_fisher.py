@@ -52,15 +52,18 @@ def test_ggn_is_jt_hout_j_psd_for_convex_losses_and_its_diagonal_is_exact(name):
 
 
 def test_empirical_fisher_is_the_mean_outer_product_of_individual_gradients():
-    for problem in (ce_problem, mse_problem):
+    """``(1/Z) sum_n g_n g_n^T`` with ``g_n`` the gradient of example ``n``'s terms of the
+    summed loss and ``Z`` what the mean divides by: the ``N`` examples of a cross entropy, the
+    ``N * D`` entries of an MSE (it was ``N``, a factor ``D`` off for the MSE)."""
+    for problem, entries in ((ce_problem, 1), (mse_problem, 3)):
         model, loss_fn, batch = problem(n=7)
-        g = per_example(model, loss_fn, batch)  # [N, P]
-        EF = Fisher(model, loss_fn, batch, kind="empirical")
-        assert_close([EF.dense(), diagonal(EF).value], [g.T @ g / 7, (g * g).sum(0) / 7])
         loss_sum = lambda o, t, f=loss_fn: f(o, t, reduction="sum")
+        g = per_example(model, loss_sum, batch)  # [N, P]
+        z = 7 * entries
+        EF = Fisher(model, loss_fn, batch, kind="empirical")
+        assert_close([EF.dense(), diagonal(EF).value], [g.T @ g / z, (g * g).sum(0) / z])
         EF_sum = Fisher(model, loss_sum, batch, kind="empirical", reduction="sum")
-        g_sum = per_example(model, loss_sum, batch)
-        assert_close(EF_sum.dense(), g_sum.T @ g_sum)
+        assert_close(EF_sum.dense(), g.T @ g)
 
 
 @pytest.mark.parametrize("problem", [ce_problem, mse_problem])

@@ -11,9 +11,11 @@ Per example, ``M_n = c * sum_s r_sn r_sn^T`` with
   itself and checked; its expectation is the GGN. Examples whose real target the loss ignores
   (``ignore_index``) are left out of the categorical samples, as the GGN leaves them out;
 * ``kind="empirical"``: ``r_n`` the gradient of the loss w.r.t. the output at the real targets,
-  ``c = Z_b`` (mean: what the batch's mean divides by, ``n_b`` or its counted targets) or 1
-  (sum), so that ``F = (1/Z) sum_n g_n g_n^T`` (mean) or ``sum_n g_n g_n^T`` (sum) for the
-  individual gradients ``g_n = d l_n / d theta`` (``l_n`` a target's term of the summed loss).
+  ``c = Z_b`` (mean: what the batch's mean divides by, ``n_b``, its counted targets, or its
+  ``n_b * D`` entries for an MSE) or 1 (sum), so that ``F = (1/Z) sum_n g_n g_n^T`` (mean) or
+  ``sum_n g_n g_n^T`` (sum) for the individual gradients ``g_n = d l_n / d theta`` (``l_n`` the
+  terms of the summed loss in example ``n``'s output row: all its targets, a sequence's tokens
+  together).
 
 Products go through ``J`` and ``J^T`` as for the GGN; ``M`` is applied from its factors.
 Targets are sampled once per batch from a seed fixed at construction, so every product of an
@@ -77,10 +79,11 @@ class Fisher(CurvatureOperator):
     .. math:: F_\text{emp} = \frac1Z \sum_n g_n g_n^\top \text{ (mean)},\quad
               \sum_n g_n g_n^\top \text{ (sum)}, \qquad g_n = \nabla_\theta\, l_n
 
-    (``Z = N``, or what the mean of a torch classification loss divides by, as for
-    :class:`Hessian`; ``l_n`` the term of example ``n`` in the summed loss). The examples whose
-    real target a cross entropy ignores (``ignore_index``) are left out of the Monte Carlo
-    Fisher, as the GGN leaves them out.
+    (``Z = N``, or what the mean of a torch loss divides by, as for :class:`Hessian`: the
+    counted targets of a classification loss, the ``N * D`` entries of an MSE; ``l_n`` the
+    terms of example ``n`` in the summed loss, all its targets together: a sequence's tokens).
+    The examples whose real target a cross entropy ignores (``ignore_index``) are left out of
+    the Monte Carlo Fisher, as the GGN leaves them out.
 
     ``E[F_mc] = GGN`` for cross entropy and MSE (exponential families in the natural
     parameters); the empirical Fisher is a different matrix. Products cost about 2x a gradient
@@ -166,6 +169,7 @@ class Fisher(CurvatureOperator):
         self.samples = samples
         generator = check_generator(generator, call)
         self.likelihood: Likelihood | None = None
+        self._mse = _infer(self._data.loss_fn) == "gaussian"  # torch's MSE: a mean over entries
         if kind == "mc":
             lik = _infer(self._data.loss_fn) if likelihood is None else likelihood
             if lik is None:
@@ -222,6 +226,8 @@ class Fisher(CurvatureOperator):
         per_example = float(n) if self._data.reduction == "mean" else 1.0
         if self.kind == "empirical":
             divisor = self._data.divisor(targets)  # Z_b of a mean classification loss
+            if divisor is None and self._data.reduction == "mean" and self._mse:
+                divisor = float(out.numel())  # a mean over every entry, not over the rows
             return self._loss_grad(out, targets)[None], per_example if divisor is None else divisor
         gen = torch.Generator(device=out.device).manual_seed(self._seed + index)
         lik = self.likelihood
