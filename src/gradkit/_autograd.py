@@ -4,6 +4,7 @@ both use them, neither owns them)."""
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "graph_nodes",
     "second_grads",
     "second_order_message",
+    "second_order_suspect",
 ]
 
 
@@ -70,7 +72,7 @@ def find_error_nodes(
     weight_norm: bool = True,
 ) -> list[str]:
     """Names of the nodes through which a second backward of the graph of ``forward`` (its
-    first gradients ``grads``) is silently wrong:
+    first gradients ``grads``) is silently wrong, or fails with torch's bare error:
 
     - the nodes of custom ``autograd.Function`` classes whose backward is marked
       ``@once_differentiable``, and the ``Error`` nodes such a backward leaves in the gradients'
@@ -82,7 +84,10 @@ def find_error_nodes(
     - with ``weight_norm``, ``_weight_norm``'s node (``weight_norm``, both forms), where this
       torch's second derivative of it fails ``gradgradcheck`` (torch 2.13: 40 % off for a
       Linear in an MLP). Its derivative in the incoming gradient is exact: a GGN's ``J v`` by
-      the double-backward trick passes ``weight_norm=False``.
+      the double-backward trick passes ``weight_norm=False``;
+    - the nodes of torch's fused attention kernels (``scaled_dot_product_attention`` by flash,
+      memory-efficient or cuDNN attention), whose backward has no derivative: a second backward
+      raises torch's "derivative for ... is not implemented", naming no remedy.
     """
     roots = [forward] if isinstance(forward, torch.Tensor) else list(forward)
     custom = torch.autograd.function.BackwardCFunction
@@ -93,7 +98,7 @@ def find_error_nodes(
             suspects = True
             if _once_differentiable(node):
                 found.add(type(node).__name__)
-        elif (
+        elif _FUSED_ATTENTION.fullmatch(type(node).__name__) or (
             weight_norm
             and type(node).__name__ == "WeightNormInterfaceBackward0"
             and _weight_norm_is_wrong()
@@ -104,6 +109,17 @@ def find_error_nodes(
         found |= {n.name() for n in graph_nodes(tops) if "Error" in type(n).__name__}
     return sorted(found)
 
+
+def second_order_suspect(node: Any) -> bool:
+    """Whether a forward node may be one of :func:`find_error_nodes`' (``weight_norm`` aside):
+    a custom function's or a fused attention kernel's."""
+    custom = torch.autograd.function.BackwardCFunction
+    return isinstance(node, custom) or bool(_FUSED_ATTENTION.fullmatch(type(node).__name__))
+
+
+_FUSED_ATTENTION = re.compile(r"ScaledDotProduct\w*Attention\w*Backward\d*")
+"""The nodes of ``scaled_dot_product_attention``'s fused kernels (its math path is made of
+ordinary operations)."""
 
 _ONCE = torch.autograd.function.once_differentiable(lambda ctx: None).__code__
 """The code of the wrapper ``@once_differentiable`` puts around a backward (one for all)."""
@@ -152,6 +168,14 @@ def first_grads(
 
 def second_order_message(call: str, errors: Sequence[str]) -> str:
     """The refusal of a graph with :func:`find_error_nodes`' ``errors``."""
+    if any("ScaledDotProduct" in e for e in errors):
+        return (
+            f"{call}: the backward pass cannot be differentiated again (graph nodes "
+            f"{list(errors)}): torch's fused attention kernels have no second derivative; run "
+            "the model with the math kernel, with torch.nn.attention.sdpa_kernel("
+            "torch.nn.attention.SDPBackend.MATH) around this call (and around the products "
+            "of an operator), or load a Hugging Face model with attn_implementation='eager'"
+        )
     if any("WeightNorm" in e for e in errors):
         return (
             f"{call}: the backward pass cannot be differentiated again exactly (graph nodes "

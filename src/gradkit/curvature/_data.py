@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from gradkit._autograd import graph_nodes
+from gradkit._autograd import graph_nodes, second_order_suspect
 from gradkit._errors import describe, message
 from gradkit._params import LossFn
 from gradkit._params import select_params as choose
@@ -137,16 +137,16 @@ def _check_batch(inputs: Any, index: int | None, call: str) -> int:
 
 def forward_graph(out: torch.Tensor) -> tuple[set[int], bool]:
     """The ids of the leaf tensors ``out``'s graph reaches (its parameters) and whether it holds
-    a custom ``autograd.Function`` node: one walk of the forward graph."""
-    custom = torch.autograd.function.BackwardCFunction
+    a node that may refuse a second backward (a custom ``autograd.Function``, a fused attention
+    kernel: see :func:`~gradkit._autograd.find_error_nodes`): one walk of the forward graph."""
     reached: set[int] = set()
-    has_custom = False
+    suspect = False
     for node in graph_nodes([out.grad_fn]):
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             reached.add(id(variable))
-        has_custom = has_custom or isinstance(node, custom)
-    return reached, has_custom
+        suspect = suspect or second_order_suspect(node)
+    return reached, suspect
 
 
 def _labelled(inputs: Any, targets: Any, where: str) -> list[tuple[str, torch.Tensor]]:

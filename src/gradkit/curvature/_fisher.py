@@ -226,9 +226,10 @@ class Fisher(CurvatureOperator):
         per_example = float(n) if self._data.reduction == "mean" else 1.0
         if self.kind == "empirical":
             divisor = self._data.divisor(targets)  # Z_b of a mean classification loss
+            c: float | torch.Tensor = per_example if divisor is None else divisor
             if divisor is None and self._data.reduction == "mean" and self._mse:
-                divisor = float(out.numel())  # a mean over every entry, not over the rows
-            return self._loss_grad(out, targets)[None], per_example if divisor is None else divisor
+                c = float(out.numel())  # a mean over every entry, not over the rows
+            return self._loss_grad(out, targets)[None], c
         gen = torch.Generator(device=out.device).manual_seed(self._seed + index)
         lik = self.likelihood
         S = self.samples

@@ -58,12 +58,12 @@ class JPoint:
             return
         # which parameters the output reaches, from the forward graph; the J^T u graph that
         # jvp needs is built at the first jvp (a diagonal or a vjp never needs it), except
-        # where a custom autograd.Function may have left nodes that drop a second backward:
-        # those are found in that graph, now
-        reached, custom = forward_graph(out)
+        # where a custom autograd.Function or a fused attention kernel may refuse a second
+        # backward: those are found in that graph, now
+        reached, suspect = forward_graph(out)
         self.unused = [i for i, p in enumerate(layout.params) if id(p) not in reached]
         self.errors = []
-        if custom:
+        if suspect:
             self.errors = find_error_nodes(out, self.g, weight_norm=False)  # J v: linear in u
 
     @property
