@@ -74,6 +74,11 @@ def _lanczos(
     alpha = torch.zeros(steps, dtype=torch.float64, device="cpu")
     beta = torch.zeros(steps, dtype=torch.float64, device="cpu")
     q = v0 / torch.linalg.vector_norm(v0)
+    # an invariant subspace leaves the rounding of the products: a few hundred machine
+    # epsilons of the operator's dtype in float32 (3.7e-5 relative where an exhausted float32
+    # space was read as converged and repeated eigenvalues were lost), 1e-15 in float64
+    eps = torch.finfo(A.dtype).eps
+    floor = max(1e-12, min(1e3 * eps, math.sqrt(eps)))
     scale = 0.0
     m = 0
     for j in range(steps):
@@ -84,7 +89,7 @@ def _lanczos(
         w = _orthogonalize(w, Q[: j + 1])
         b = float(torch.linalg.vector_norm(w))
         scale = max(scale, abs(float(a)) + b)
-        exhausted = b <= 1e-12 * max(scale, 1e-300)  # an invariant subspace
+        exhausted = b <= floor * max(scale, 1e-300)  # an invariant subspace
         beta[j] = 0.0 if exhausted else b
         if exhausted and gen is not None and j + 1 < min(steps, n):
             # every Ritz residual is 0 here, but only for the space spanned so far: the rest
