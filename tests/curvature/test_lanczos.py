@@ -147,6 +147,15 @@ def test_eigenvalue_errors():
     with pytest.raises(ValueError, match=r"max_iter: expected an int >= 3, got 2; .* k \(3\)"):
         eigenvalues(A, k=3, max_iter=2)
 
+    # a matrix that is not symmetric: its Lanczos values matched neither its eigenvalues nor
+    # its symmetric part's; a float32 rounding of a symmetric one passes
+    B = torch.randn(6, 6, dtype=D, generator=_gen(1))
+    for call in (lambda m: eigenvalues(m, k=2), lambda m: spectral_density(m, probes=2)):
+        with pytest.raises(ValueError, match=r"op: expected a symmetric matrix.*\(A \+ A.T\) / 2"):
+            call(B)
+    sym = (B + B.T).float() / 3
+    assert_close(eigenvalues(sym, k=1, generator=_gen(0)), torch.linalg.eigvalsh(sym)[-1:])
+
 
 def test_spectral_density_by_stochastic_lanczos_quadrature():
     lam = torch.cat([torch.full((20,), -1.0), torch.full((30,), 2.0)]).to(D)

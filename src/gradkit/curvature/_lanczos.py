@@ -43,6 +43,29 @@ def _orthogonalize(w: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _check_symmetric(op: Any, call: str) -> None:
+    """Refuse a square tensor that is not symmetric (to a few hundred epsilons of its dtype):
+    Lanczos finds the eigenvalues of symmetric operators only, and those of another matrix come
+    out matching neither its eigenvalues nor its symmetric part's. Operators (curvature,
+    ``HVPOperator``) are symmetric by construction."""
+    if not isinstance(op, torch.Tensor) or op.numel() == 0:
+        return
+    gap = float((op - op.mT).abs().max())
+    scale = float(op.abs().max())
+    if gap > 256 * torch.finfo(op.dtype).eps * scale:
+        raise ValueError(
+            message(
+                call,
+                "op",
+                "a symmetric matrix (Lanczos finds the eigenvalues of symmetric operators)",
+                f"a {tuple(op.shape)} tensor with max |A - A^T| = {gap:.3g} (max |A| = "
+                f"{scale:.3g})",
+                "pass its symmetric part (A + A.T) / 2 if that is meant, or use "
+                "torch.linalg.eigvals for a general matrix",
+            )
+        )
+
+
 def _key(theta: torch.Tensor, which: str) -> torch.Tensor:
     """Larger is more wanted."""
     if which == "largest":
@@ -233,6 +256,7 @@ def eigenvalues(
     call = f"eigenvalues({label(op)})"
     check_choice(which, _WHICH, call, "which")
     A = LinearOp(op, call)
+    _check_symmetric(op, call)
     n = A.n
     k = check_int(k, call, "k", low=1, high=n, example=3)
     steps = min(n, max(64, 4 * k)) if max_iter is None else max_iter
@@ -327,6 +351,7 @@ def spectral_density(
     """
     call = f"spectral_density({label(op)})"
     A = LinearOp(op, call)
+    _check_symmetric(op, call)
     probes = check_int(probes, call, "probes", low=1, example=10)
     steps = check_int(steps, call, "steps", low=1, example=10)
     if width is not None:
