@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,6 +175,36 @@ def test_batchnorm_warns():
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.warns(UserWarning, match="BatchNorm1d in training mode"), acc.micro_step(2):
         acc.backward(model(torch.randn(2, 4)).sum())
+
+
+class _FunctionalNorm(nn.Module):
+    def __init__(self, instance: bool) -> None:
+        super().__init__()
+        self.instance = instance
+        self.conv = nn.Conv1d(2, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if self.instance:  # statistics per example: exact
+            return torch.nn.functional.instance_norm(h)
+        return torch.nn.functional.batch_norm(h, None, None, training=True)
+
+
+def test_a_functional_batch_norm_warns_and_an_instance_norm_does_not():
+    """``F.batch_norm(training=True)`` outside a BatchNorm module uses the micro-batch's
+    statistics too (31 % off the full batch); the loss's graph of the first backward says so."""
+    for instance in (False, True):
+        model = _FunctionalNorm(instance)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):  # the graph is read at the first backward only
+                with acc.micro_step(3):
+                    acc.backward(model(torch.randn(3, 2, 5)).pow(2).sum())
+        texts = [str(w.message) for w in seen]
+        assert texts == ([] if instance else [texts[0]])
+        if not instance:
+            assert "NativeBatchNormBackward0" in texts[0] and seen[0].filename == __file__
 
 
 def test_errors():

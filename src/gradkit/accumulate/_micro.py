@@ -34,6 +34,7 @@ from gradkit._sharded import fsdp2_modules, is_dtensor, local, refuse_fsdp1
 from gradkit._validate import check_choice, check_module
 from gradkit.accumulate._batches import batch_size, split_batch
 from gradkit.accumulate._micro_checks import (
+    batch_statistics_node,
     batchnorm_in_training,
     check_ddp_forward,
     check_deferred_counts,
@@ -183,6 +184,7 @@ class Accumulator:
         self.windows = 0
         self.skipped = 0
         self._warned_bn = False
+        self._graph_read = False  # the first backward's graph was searched (see backward)
         self._warned_layout = False  # see _check_sequence_first
         self._in_micro = False
         self._backward_done = False
@@ -343,6 +345,11 @@ class Accumulator:
             )
         check_loss(loss, call)
         check_summed(loss, call)
+        if not self._warned_bn and not self._graph_read:  # the first backward: the graph once
+            self._graph_read = True
+            name = batch_statistics_node(loss)
+            if name is not None:
+                self._warn_batchnorm(f"a batch normalization in the loss's graph ({name})", 3)
         check_ddp_forward(self.model, call)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self._backward_done = True
@@ -371,14 +378,17 @@ class Accumulator:
     def _check_batchnorm(self) -> None:
         name = None if self._warned_bn else batchnorm_in_training(self.model)
         if name is not None:
-            self._warned_bn = True
-            warnings.warn(
-                f"Accumulator: {name} in training mode normalizes each micro-batch "
-                "with its own statistics (and updates running statistics once per "
-                "micro-batch), so the accumulated gradient cannot equal the "
-                "large-batch one; use GroupNorm/LayerNorm, or accept the difference",
-                stacklevel=3,
-            )
+            self._warn_batchnorm(f"{name} in training mode", 4)
+
+    def _warn_batchnorm(self, what: str, stacklevel: int) -> None:
+        self._warned_bn = True
+        warnings.warn(
+            f"Accumulator: {what} normalizes each micro-batch with its own statistics (and "
+            "updates running statistics once per micro-batch), so the accumulated gradient "
+            "cannot equal the large-batch one; use GroupNorm/LayerNorm, or accept the "
+            "difference",
+            stacklevel=stacklevel,
+        )
 
     def reset(self) -> None:
         """Discard the open window without stepping: the optimizer's gradients are set to

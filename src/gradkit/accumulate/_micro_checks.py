@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradkit._autograd import graph_nodes
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._layout import loss_reductions
 
@@ -249,6 +250,19 @@ def batchnorm_in_training(model: nn.Module) -> str | None:
     for m in model.modules():
         if isinstance(m, _BatchNorm) and m.training:
             return type(m).__name__
+    return None
+
+
+def batch_statistics_node(loss: torch.Tensor) -> str | None:
+    """The name of a batch normalization in ``loss``'s graph that used the batch's statistics
+    (``F.batch_norm(..., training=True)`` called directly, outside a BatchNorm module), if any;
+    one of a single row (``F.instance_norm`` normalizes ``[1, N * C, ...]`` by example) is not
+    one."""
+    for node in graph_nodes([loss.grad_fn]):
+        if "BatchNorm" in type(node).__name__ and getattr(node, "_saved_training", False) is True:
+            saved = getattr(node, "_saved_input", None)
+            if isinstance(saved, torch.Tensor) and saved.dim() > 0 and saved.shape[0] > 1:
+                return str(node.name())
     return None
 
 
