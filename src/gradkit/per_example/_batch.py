@@ -797,7 +797,8 @@ def _simple_call(
         model.confirm(n)
         if model.trusted and model.n != n:
             return None  # broadcast, merged or mismatched: the general path says which
-    return Call(n, (x.detach(),), {}, [], [0], [False], out_spec=flatten(output)[1])
+    kept = x.detach() if x.requires_grad else x  # no graph kept through the call's input
+    return Call(n, (kept,), {}, [], [0], [False], out_spec=flatten(output)[1])
 
 
 def split_call(

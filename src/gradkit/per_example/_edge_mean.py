@@ -103,7 +103,8 @@ class EdgeMean:
         decided = self._from_edges.get(pid)
         if decided is False:
             return None
-        grad = grad.detach()
+        if grad.requires_grad:  # create_graph
+            grad = grad.detach()
         if grad.is_sparse:  # Embedding(sparse=True)
             grad = grad.to_dense()
         if decided:

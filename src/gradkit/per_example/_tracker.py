@@ -783,7 +783,8 @@ class Tracker(TrackerResults):
         leaves: list[Any] = []
         for g, d, added in zip(grads, call.out_dims, call.added, strict=True):
             if g is not None:
-                g = g.detach()
+                if g.requires_grad:  # create_graph (an op per call saved otherwise)
+                    g = g.detach()
                 if call.positions > 1:  # [N * T, ...] -> [N, T, ...]
                     g = g.reshape(call.n, call.positions, *g.shape[1:])
                 elif call.in_dims or added or d is None or d == 0:  # the fallback: as it is
