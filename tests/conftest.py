@@ -4,7 +4,10 @@
 device other than the CPU every test runs with it as torch's default device (tensors and
 modules the test creates land there), tests marked ``cpu_only`` (subprocesses, gloo process
 groups, the CLI, the benchmark harness) are skipped with that reason, and the ``device``
-fixture gives it to tests that move things explicitly. Tests marked ``cuda`` need CUDA and
+fixture gives it to tests that move things explicitly. On CUDA, TF32 is off in every test: the
+tests compare float32 results with float64 references at float32 tolerances, and TF32 rounds
+convolutions and matmuls (the forward pass included) to 1e-3 (``tests/per_example/test_cuda.py``
+turns it on where it tests it). Tests marked ``cuda`` need CUDA and
 are skipped, visibly, without it. Asking for CUDA where there is none is an error, never a
 silent run on the CPU.
 """
@@ -79,5 +82,10 @@ def _seed_and_device():
     if DEVICE.type == "cpu":
         yield
         return
-    with torch.device(DEVICE):
-        yield
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.device(DEVICE):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn

@@ -3,9 +3,12 @@
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.cpu_only  # the README shows the CPU's printed tensors
 def test_readme_python_blocks_run(capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) >= 4

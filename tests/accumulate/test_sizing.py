@@ -64,6 +64,7 @@ def test_found_size_fits_the_budget_and_accumulation_stays_exact(budget_micro):
     assert_close(seen[0], list(full), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.cpu_only  # on CUDA the free device memory is the default budget
 def test_find_micro_batch_size_errors():
     model = mlp()
     with pytest.raises(ValueError, match="budget_bytes: expected a byte budget on a cpu"):
@@ -71,9 +72,10 @@ def test_find_micro_batch_size_errors():
 
 
 def noisy_stats(model, noise):
-    torch.manual_seed(1)
-    x = torch.randn(32, 50)
-    y = model(x).detach() + noise * torch.randn(32, 1) + 0.5
+    gen = torch.Generator("cpu").manual_seed(1)  # the same draws on every test device
+    here = torch.get_default_device()
+    x = torch.randn(32, 50, generator=gen, device="cpu").to(here)
+    y = model(x).detach() + noise * torch.randn(32, 1, generator=gen, device="cpu").to(here) + 0.5
     with gradkit.per_example.track(model, "variance") as stats:
         F.mse_loss(model(x), y).backward()
     model.zero_grad()

@@ -47,6 +47,7 @@ OPERATORS = {
 }
 
 
+@pytest.mark.cpu_only  # CUDA runs float64 attention by the math kernel
 @pytest.mark.parametrize("name", sorted(OPERATORS))
 def test_a_fused_kernel_is_refused_with_the_remedy(name: str) -> None:
     model, batch = _problem()
@@ -54,6 +55,7 @@ def test_a_fused_kernel_is_refused_with_the_remedy(name: str) -> None:
         OPERATORS[name](model, batch)
 
 
+@pytest.mark.cpu_only
 def test_a_function_through_a_fused_kernel_is_refused() -> None:
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
     with pytest.raises(GradkitError, match="fused attention"):

@@ -101,7 +101,7 @@ def test_operator_chunked_matmat_and_scipy():
     from scipy.sparse.linalg import eigsh
 
     top = eigsh(lin, k=2, which="LA", return_eigenvectors=False)
-    want = torch.linalg.eigvalsh(A)[-2:].numpy()
+    want = torch.linalg.eigvalsh(A)[-2:].cpu().numpy()
     np.testing.assert_allclose(np.sort(top), want, rtol=1e-8)
 
 

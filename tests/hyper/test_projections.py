@@ -122,7 +122,7 @@ def test_capped_simplex_matches_a_qp_solver():
     for n, radius in ((5, 1.0), (12, 4.0), (20, 2.5)):
         x = 2 * torch.randn(n, generator=gen, dtype=D)
         y = hyper.project_capped_simplex(x, radius)
-        x0 = x.numpy()
+        x0 = x.cpu().numpy()
         res = optimize.minimize(
             lambda v, x0=x0: 0.5 * ((v - x0) ** 2).sum(),
             x0.clip(0, 1) * 0,

@@ -13,6 +13,9 @@ from torch import nn
 from gradkit.per_example import _buffers, release_buffers, track
 from gradkit.testing import per_example_grads
 
+# the pool is the CPU's (the CUDA caching allocator already reuses device memory)
+pytestmark = pytest.mark.cpu_only
+
 
 @pytest.fixture(autouse=True)
 def _pool_every_size(monkeypatch):

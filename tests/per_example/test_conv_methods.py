@@ -101,6 +101,7 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     return calls
 
 
+@pytest.mark.cpu_only  # the choice is timed on the CPU (elsewhere F.unfold's patches)
 @pytest.mark.usefixtures("fresh_choice")
 def test_the_choice_is_made_on_the_first_steps_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A shape's first blocks are computed by a run of each method (each block once: nothing
@@ -125,6 +126,7 @@ def test_the_choice_is_made_on_the_first_steps_blocks(monkeypatch: pytest.Monkey
     assert not _conv._TRIALS
 
 
+@pytest.mark.cpu_only
 @pytest.mark.usefixtures("fresh_choice")
 def test_the_faster_method_is_kept_and_first_runs_do_not_count(
     monkeypatch: pytest.MonkeyPatch,
@@ -165,6 +167,7 @@ def test_the_faster_method_is_kept_and_first_runs_do_not_count(
     assert not _conv._CHOICE and trial.runs == 7
 
 
+@pytest.mark.cpu_only
 @pytest.mark.usefixtures("fresh_choice")
 def test_one_shape_is_timed_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """While one layer's shape is timed, another's blocks are computed by _WAITING, untimed;

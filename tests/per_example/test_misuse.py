@@ -129,7 +129,9 @@ def test_sequence_first_models_are_exact(case, t, n):
     batch_dim; other layers follow batch_dim (an int or per submodule)."""
     _, make, loss, batch_dim = case
     torch.manual_seed(0)
-    model = make().double().eval()
+    model = make().double()
+    if any(isinstance(m, nn.Dropout) for m in model.modules()):
+        model.eval()  # (not an RNN: cuDNN's RNN backward refuses eval mode)
     x = torch.randn(t, n, 4, dtype=D)
     ref = per_example_grads(model, lambda o, _: loss(o).sum(), x, None, batch_dim=1)
     kwargs = {} if batch_dim is None else {"batch_dim": batch_dim}
@@ -784,6 +786,32 @@ def test_a_pass_that_raised_after_reaching_a_layer_makes_the_block_refuse(quanti
     ref = per_example_grads(model, lambda o, _: cubic(o).sum(), x, None)
     assert_close(fresh["2.weight"].batch_grad, ref["2.weight"], rtol=1e-10, atol=1e-12)
     assert_close(fresh["0.weight"].variance, ref["0.weight"].var(0, unbiased=False))
+
+
+@pytest.mark.parametrize("quantity", ["variance", "batch_grad"])
+def test_a_raised_pass_is_seen_when_the_engine_keeps_its_callback(quantity, monkeypatch):
+    """On CUDA the engine may hold a raised pass's queued callback a while after the error
+    reaches the caller: the block then saw the pass as still running, and the batch_grad one
+    read on as if nothing had happened. Outside any backward pass a callback not run is a
+    pass that ended part-way, whoever still holds it."""
+    from gradkit.per_example import _tracker
+
+    held: list[object] = []
+    original = _tracker._PassEnd.__init__
+
+    def keep(self, tracker):  # type: ignore[no-untyped-def]
+        original(self, tracker)
+        held.append(self)
+
+    monkeypatch.setattr(_tracker._PassEnd, "__init__", keep)
+    model, x = _two_layers()
+    with track(model, quantity, loss_reduction="sum") as stats:
+        out = model[2](_Raise.apply(model[1](model[0](x))))
+        with pytest.raises(RuntimeError, match="failed"):
+            cubic(out).sum().backward()
+    assert held  # the callback outlived the pass
+    with pytest.raises(GradkitError, match="raised part-way"):
+        stats["2.weight"].variance if quantity == "variance" else stats["2.weight"].batch_grad
 
 
 def test_a_second_backward_after_a_failed_one_is_refused_before_any_gradient():

@@ -142,7 +142,7 @@ class PackedLM(nn.Module):
         self.head = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         _, h = self.rnn(packed)
         h = h[0] if isinstance(h, tuple) else h
         return self.head(h[-1])

@@ -110,12 +110,12 @@ class SortedRNN(nn.Module):
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if not self.sort_here:
             packed = pack_padded_sequence(
-                self.emb(ids), lengths, batch_first=True, enforce_sorted=False
+                self.emb(ids), lengths.cpu(), batch_first=True, enforce_sorted=False
             )
             _, (h, _) = self.rnn(packed)
             return self.head(h[-1])
         lengths, order = lengths.sort(descending=True)
-        packed = pack_padded_sequence(self.emb(ids)[order], lengths, batch_first=True)
+        packed = pack_padded_sequence(self.emb(ids)[order], lengths.cpu(), batch_first=True)
         _, (h, _) = self.rnn(packed)
         return self.head(h[-1][order.argsort()])
 

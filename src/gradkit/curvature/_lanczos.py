@@ -286,15 +286,17 @@ def eigenvalues(
             RuntimeWarning,
             stacklevel=2,
         )
-    values = theta[idx].to(A.dtype)
+    # the small tridiagonal problem is solved on the host: back to the operator's device
+    values = theta[idx].to(device=A.device, dtype=A.dtype)
     if not return_vectors:
         return values
-    return values, (Q.T @ Y[:, idx]).to(A.dtype)
+    return values, (Q.T @ Y[:, idx].to(Q.device)).to(A.dtype)
 
 
 @dataclass(frozen=True)
 class SpectralDensity:
-    """A smoothed spectral density from stochastic Lanczos quadrature.
+    """A smoothed spectral density from stochastic Lanczos quadrature, in float64 on the CPU
+    (for plotting, whatever the operator's device).
 
     Attributes:
         grid: ``[G]`` points where the density is evaluated.

@@ -1012,7 +1012,9 @@ class Tracker(TrackerResults):
         pass's gradients are in the statistics and the rest never will be, so every later
         pass and read would be silently off."""
         if not self._broken and self._pass_end is not None:
-            self._broken = self._pass_end() is None  # dropped unrun: the pass raised
+            # dropped unrun: the pass raised; or still held (on CUDA the engine may keep a
+            # raised pass's callbacks a while) but no backward pass is running any more
+            self._broken = self._pass_end() is None or not in_backward()
         if self._broken:
             raise GradkitError(
                 message(
