@@ -83,7 +83,9 @@ def noisy_stats(model, noise):
 
 
 def test_adaptive_more_micro_batches_for_noisier_gradients():
-    model = mlp()
+    with torch.device("cpu"):  # the same weights on every test device
+        model = mlp()
+    model.to(torch.get_default_device())
     quiet = AdaptiveBatchSize(micro_batch_size=4, smoothing=0.0, max_micro=1000)
     loud = AdaptiveBatchSize(micro_batch_size=4, smoothing=0.0, max_micro=1000)
     n_quiet = quiet.update(noisy_stats(model, 0.01))

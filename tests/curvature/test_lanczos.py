@@ -39,7 +39,8 @@ def test_extreme_eigenvalues_of_an_indefinite_hessian(hessian, which):
     assert_close(values, order[:4], rtol=1e-6, atol=0)
     residual = ref @ vectors - vectors * values
     assert float(residual.abs().max()) <= 1e-6 * float(lam.abs().max())
-    assert_close(vectors.T @ vectors, torch.eye(4, dtype=D), atol=1e-8)
+    eye = torch.eye(4, dtype=D, device=vectors.device)  # the fixture's operator: on the CPU
+    assert_close(vectors.T @ vectors, eye, atol=1e-8)
 
 
 def test_no_ghost_copies_with_many_iterations(hessian):

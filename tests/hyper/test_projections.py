@@ -133,7 +133,7 @@ def test_capped_simplex_matches_a_qp_solver():
             options={"ftol": 1e-14, "maxiter": 500},
         )
         assert res.success
-        assert float((y - torch.from_numpy(res.x)).abs().max()) < 1e-6
+        assert float((y.cpu() - torch.from_numpy(res.x)).abs().max()) < 1e-6
 
 
 def test_l1_ball_is_the_signed_simplex_projection_outside_and_identity_inside():

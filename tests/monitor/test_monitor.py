@@ -44,11 +44,12 @@ def reduced(g: dict[str, torch.Tensor]) -> dict[str, float]:
     top = torch.cat([v.square().mean(0).max().expand(v[0].numel()) for v in g.values()])
     c = 256 * torch.finfo(D).eps  # entries whose ratio is rounding noise are left out
     ok = (var > c * second) & (second > c**2 * top)
+    # |G|^2 without bias: E|mean|^2 = |G|^2 + tr(Sigma) / N; None where it does not resolve
+    signal = float(mean.square().sum() - var.sum() / n)
     return {
         "grad_norm": float(mean.norm()),
         "grad_variance": float(var.sum()),
-        # |G|^2 without bias: E|mean|^2 = |G|^2 + tr(Sigma) / N
-        "noise_scale": float(var.sum() / (mean.square().sum() - var.sum() / n)),
+        "noise_scale": float(var.sum()) / signal if signal > 0 else None,
         "snr_median": middle(mean[ok].square() / var[ok]),
     }
 
