@@ -16,6 +16,7 @@ each needing only products :math:`Hv` (double backward through the kept graph of
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -106,26 +107,34 @@ def _cg(hvp: HVP, b: torch.Tensor, tol: float, maxiter: int, call: str) -> tuple
     return x, it
 
 
-def _neumann(hvp: HVP, b: torch.Tensor, alpha: float, terms: int) -> tuple[torch.Tensor, int]:
+def _neumann(
+    hvp: HVP, b: torch.Tensor, alpha: float, terms: int
+) -> tuple[torch.Tensor, int, float]:
+    """The series, its products, and how much its last term grew over the first (above 1: the
+    series diverges, as ``(I - alpha H)`` has an eigenvalue beyond 1 in magnitude)."""
     v, q = b, b
     for _ in range(terms - 1):
         v = v - alpha * hvp(v)
         q = q + v
-    return alpha * q, max(terms - 1, 0)
+    growth = float(v.norm()) / max(float(b.norm()), torch.finfo(b.dtype).tiny)
+    return alpha * q, max(terms - 1, 0), growth
 
 
 def _fixed_point(
     hvp: HVP, b: torch.Tensor, alpha: float, tol: float, maxiter: int
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int, float]:
+    """The iterate, its products, and its residual over the starting one (above 1: the
+    iteration diverges)."""
     q = torch.zeros_like(b)
     residual = -b
-    target = tol * float(b.norm())
+    start = max(float(b.norm()), torch.finfo(b.dtype).tiny)
+    target = tol * start
     it = 0
     while it < maxiter and float(residual.norm()) > target:
         q = q - alpha * residual
         residual = hvp(q) - b
         it += 1
-    return q, it
+    return q, it, float(residual.norm()) / start
 
 
 def _largest_eigenvalue(hvp: HVP, like: torch.Tensor, iters: int = 20) -> float:
@@ -283,14 +292,30 @@ def implicit(
         else:
             step = alpha
             if step is None:
-                top = _largest_eigenvalue(hvp, b) + damping
+                top = _largest_eigenvalue(hvp, b)  # of H + damping I: hvp adds it
                 spent += 20
                 step = 1.0 / top if top > 0 else 1.0
             if method == "neumann":
-                q, n = _neumann(hvp, b, step, maxiter)
+                q, n, growth = _neumann(hvp, b, step, maxiter)
             else:
-                q, n = _fixed_point(hvp, b, step, tol, maxiter)
+                q, n, growth = _fixed_point(hvp, b, step, tol, maxiter)
             spent += n
+            if not growth <= 1.0:  # diverged (finite or not): say so
+                what = "last term" if method == "neumann" else "residual"
+                grew = f"grew {growth:.3g}-fold" if math.isfinite(growth) else "grew to inf/nan"
+                raise ValueError(
+                    message(
+                        call,
+                        "alpha",
+                        "a solve that converges: alpha below 2 / lambda_max of the Hessian "
+                        "(plus damping), at a minimum, where the Hessian is positive definite",
+                        f"alpha={step:.3g}, whose {method} {what} {grew} over "
+                        f"{n} Hessian-vector products (a larger alpha, or a saddle point or "
+                        "maximum at params_star)",
+                        "lower alpha (or leave it None: 1 / lambda_max), add damping=..., or "
+                        "use method='cg', which says where the curvature is not positive",
+                    )
+                )
         if not bool(torch.isfinite(q).all()):
             raise ValueError(
                 message(

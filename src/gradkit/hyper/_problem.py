@@ -59,19 +59,40 @@ class HyperResult(NamedTuple):
     inner_grad_norm: torch.Tensor | None = None
 
 
-def check_params(params: Any, call: str, argument: str = "params0") -> Any:
-    """A dict ``name -> tensor`` (from a dict, a module, or ``named_parameters()``) or a tuple of
-    floating-point tensors."""
+def _frozen(p: Any) -> bool:
+    """A module's parameter that ``torch.optim`` would not train."""
     from torch import nn
 
-    if isinstance(params, nn.Module):
-        params = dict(params.named_parameters())
-    elif not isinstance(params, (Mapping, tuple, list, torch.Tensor)) and hasattr(
+    return isinstance(p, nn.Parameter) and not p.requires_grad
+
+
+def check_params(params: Any, call: str, argument: str = "params0") -> Any:
+    """A dict ``name -> tensor`` (from a dict, a module, or ``named_parameters()``) or a tuple of
+    floating-point tensors. A module's frozen parameters (``requires_grad=False``) are left
+    out, as ``torch.optim`` leaves them: they stay the module's, constant (they were trained,
+    1.3 % off the hypergradient of a model with a frozen layer)."""
+    from torch import nn
+
+    module = params if isinstance(params, nn.Module) else None
+    if module is not None:
+        params = module.named_parameters()
+    if not isinstance(params, (Mapping, tuple, list, torch.Tensor)) and hasattr(
         params, "__iter__"
     ):
         items = list(params)
         if all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
-            params = dict(items)
+            trained = [(k, p) for k, p in items if not _frozen(p)]
+            if items and not trained:
+                raise ValueError(
+                    message(
+                        call,
+                        argument,
+                        "parameters of which at least one requires grad",
+                        f"{len(items)} parameter(s), all frozen (requires_grad=False)",
+                        "unfreeze the parameters to train (p.requires_grad_(True))",
+                    )
+                )
+            params = dict(trained)
         else:
             params = items
     structure = structure_of(params, call, argument)
