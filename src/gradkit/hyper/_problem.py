@@ -76,9 +76,7 @@ def check_params(params: Any, call: str, argument: str = "params0") -> Any:
     module = params if isinstance(params, nn.Module) else None
     if module is not None:
         params = module.named_parameters()
-    if not isinstance(params, (Mapping, tuple, list, torch.Tensor)) and hasattr(
-        params, "__iter__"
-    ):
+    if not isinstance(params, (Mapping, tuple, list, torch.Tensor)) and hasattr(params, "__iter__"):
         items = list(params)
         if all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
             trained = [(k, p) for k, p in items if not _frozen(p)]

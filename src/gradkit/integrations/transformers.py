@@ -19,7 +19,10 @@ The Trainer normalizes the loss itself (by the window's token count when the mod
 ``num_items_in_batch``, else by the number of micro-batches), so the monitor takes each
 example's share of the backpropagated loss (``loss_reduction="sum"``) scaled by the number of
 examples (``scale_to_grad=True``): the individual gradients' mean is then the gradient in
-``.grad`` before clipping, and the noise scale and SNR are those of the examples' own losses.
+``.grad`` before clipping, and the noise scale and SNR are those of the examples' own losses
+when the window's micro-batches are of equal size (or the loss is normalized by the window's
+count); a short micro-batch's examples weigh more otherwise, and the monitor warns (see
+``docs/monitor.md``).
 Under ``fp16`` the Trainer's accelerator also multiplies the loss by its ``GradScaler``:
 :func:`monitor_trainer` passes that scaler on (``loss_scale``), so its scale, read at each
 tracked step, is divided out; with the callback alone, pass

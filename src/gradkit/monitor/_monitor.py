@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,7 @@ class GradientMonitor:
         self.lr = lr
         self.layers = layers
         self.scale_to_grad = scale_to_grad
+        self._warned_uneven = False  # see _summarize
         self.group = group
         self._track = {"loss_reduction": loss_reduction, **track_options}
         self._writers = make_writers(writer, _CALL)
@@ -268,6 +270,23 @@ class GradientMonitor:
         loss = current.loss
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach().double().mean())  # a float64 loss kept to the last digit
+        sizes = getattr(stats, "pass_sizes", [])
+        means = any(getattr(stats, "pass_means", []))
+        if self.scale_to_grad and means and len(set(sizes)) > 1 and not self._warned_uneven:
+            self._warned_uneven = True
+            warnings.warn(
+                f"GradientMonitor: step {current.index}'s backward passes held {sizes} examples, "
+                "and their losses were each micro-batch's mean (scaled). With "
+                "scale_to_grad=True each example's gradient is its share of the loss times the "
+                "step's examples, so the examples of a smaller micro-batch weigh more: the "
+                "variance, SNR, noise scale and norm quantiles of such a step are those of the "
+                "weighted gradients, not of the examples' own losses (Lightning; the HF Trainer "
+                "for a model without num_items_in_batch). Equal micro-batches "
+                "(drop_last=True), or a loss normalized by a count common to the step (a sum "
+                "over the step's items divided by their number), avoid it. Said once per "
+                "monitor.",
+                stacklevel=3,
+            )
         norms = stats.batch_l2() if "batch_l2" in self.quantities else None
         record = summarize(
             stats,

@@ -362,6 +362,31 @@ def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossRedu
     return found
 
 
+def scaled_mean(roots: list[torch.Tensor], limit: int = 64) -> bool:
+    """Whether the loss of ``roots`` is, below root-level additions and multiplications or
+    divisions by a constant, a mean over more than one row that its graph records (a
+    micro-batch's mean divided by the number of micro-batches): its examples' shares depend on
+    the micro-batch's size."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    for _ in range(limit):
+        if not stack:
+            return False
+        node = stack.pop()
+        m = match_loss(node)
+        if m is not None:
+            if m.reduction == "mean" and m.rows != 1:
+                return True
+            continue
+        name = type(node).__name__
+        kids = [n for n, _ in node.next_functions if n is not None]
+        if name in ("AddBackward0", "AddBackward1") or (
+            name in ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1")
+            and len(kids) == 1
+        ):
+            stack.extend(kids)
+    return False
+
+
 def reaches(node: Any, targets: set[Any], limit: int = 200_000) -> bool:
     """Whether the graph below ``node`` contains one of ``targets`` (nodes)."""
     stack, seen = [node], set[Any]()
