@@ -305,3 +305,30 @@ def test_scale_to_grad_warns_where_unequal_micro_batches_weigh_examples_unequall
         assert len(texts) == (1 if warned else 0)
         if warned:
             assert "held [8, 2] examples" in texts[0] and "drop_last=True" in texts[0]
+
+
+def test_json_lines_are_strict_json_and_bad_paths_are_refused_at_once(tmp_path):
+    """A NaN gradient norm was written as a bare NaN (jq and JavaScript refuse the line); a
+    folder given as the path was accepted and failed at the first tracked step, after its
+    backward pass, with a bare IsADirectoryError."""
+    import json
+
+    from gradkit.monitor import JsonLinesWriter
+
+    path = tmp_path / "g.jsonl"
+    JsonLinesWriter(path)(
+        {"step": 0, "grad_norm": float("nan"), "layers": {"0": {"x": float("inf")}}}
+    )
+    assert json.loads(path.read_text()) == {
+        "step": 0,
+        "grad_norm": None,
+        "layers": {"0": {"x": None}},
+    }
+    with pytest.raises(
+        ValueError, match=r"JsonLinesWriter\(path\): path: expected a file .* folder"
+    ):
+        GradientMonitor(nn.Linear(2, 1), writer=tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"whose folder cannot be created"):
+        JsonLinesWriter(blocker / "sub" / "g.jsonl")

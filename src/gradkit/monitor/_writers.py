@@ -31,6 +31,17 @@ def flat_scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
             yield key, float(value)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (nested dicts and lists)."""
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 class JsonLinesWriter:
     """Append each record as one line of JSON to ``path`` (flushed at once, so a run that
     stops keeps every record written so far; ``gradkit monitor-report`` reads the file).
@@ -45,12 +56,30 @@ class JsonLinesWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        call = "JsonLinesWriter(path)"
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fix = "pass a file path in a folder you can write, e.g. runs/gradients.jsonl"
+        if self.path.is_dir():
+            raise ValueError(
+                message(call, "path", "a file for JSON lines", f"the folder {str(path)!r}", fix)
+            )
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            got = f"{str(path)!r}, whose folder cannot be created ({err.strerror})"
+            raise ValueError(message(call, "path", "a file path", got, fix)) from err
+        if not os.access(self.path.parent, os.W_OK) or (
+            self.path.exists() and not os.access(self.path, os.W_OK)
+        ):
+            got = f"{str(path)!r}, which cannot be written"
+            raise ValueError(message(call, "path", "a writable file path", got, fix))
 
     def __call__(self, record: dict[str, Any]) -> None:
+        # strict JSON: a NaN or inf (a NaN gradient's norm) is written as null, as the
+        # undefined ratios are (JSON has no NaN; jq and JavaScript refuse the line)
+        line = json.dumps(_finite(record), allow_nan=False)
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
 
     def __repr__(self) -> str:
         return f"JsonLinesWriter({str(self.path)!r})"
