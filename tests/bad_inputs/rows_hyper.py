@@ -275,7 +275,7 @@ ROWS = [
         id="hyper.implicit.alpha_diverges",
         run=lambda: _implicit(method="neumann", alpha=50.0, maxiter=300),
         raises=ValueError,
-        words=(IMP, "alpha", "stays finite", "lower alpha"),
+        words=(IMP, "alpha", "a solve that converges", "inf/nan", "lower alpha"),
     ),
     Case(id="hyper.implicit.not_stationary_warns", run=_not_stationary_warns),
     Case(id="hyper.implicit.stationary_is_silent", run=_stationary_is_silent),
