@@ -73,3 +73,39 @@ def test_a_module_with_every_parameter_frozen_is_refused() -> None:
             steps=2,
             hyper={"lr": lr},
         )
+
+
+@pytest.mark.parametrize("engine", ["reverse", "forward", "truncated"])
+def test_an_inner_loss_updating_the_modules_buffers_is_refused(engine: str) -> None:
+    """BatchNorm in training mode updates its running statistics at each call: the replayed
+    steps updated them again (a second call gave another hypergradient), and the
+    hypergradient left their dependence on the hyperparameters out (0.5 % off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+    x, y = torch.randn(16, 4, dtype=D), torch.randint(0, 3, (16,))
+
+    def inner(p, _):
+        return F.cross_entropy(functional_call(model, p, (x,)), y)
+
+    lr = torch.tensor(0.3, dtype=D)
+    options = {"last": 2} if engine == "truncated" else {}
+    with pytest.raises(ValueError, match=r"inner_loss: expected a loss that leaves the module's"):
+        getattr(hyper, engine)(
+            inner,
+            lambda p: inner(p, None),
+            model,
+            optim.sgd(lr=lr),
+            steps=3,
+            hyper={"lr": lr},
+            **options,
+        )
+    model.eval()  # running statistics read, not updated: fine
+    getattr(hyper, engine)(
+        inner,
+        lambda p: inner(p, None),
+        model,
+        optim.sgd(lr=lr),
+        steps=3,
+        hyper={"lr": lr},
+        **options,
+    )

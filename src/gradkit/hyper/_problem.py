@@ -349,6 +349,10 @@ class Dynamics:
         self.inner_loss = inner_loss
         self.outer_loss = outer_loss
         self.opt = opt
+        # a module's buffers, checked at the first step: inner_loss must not update them
+        self._buffers = (
+            list(params0.named_buffers()) if isinstance(params0, torch.nn.Module) else []
+        )
         self.params0 = check_params(params0, call)
         self.structure = structure_of(self.params0, call, "params0")
         self.state0 = opt.init(self.params0)
@@ -425,16 +429,44 @@ class Dynamics:
         params, state = self.layout.unflatten(s, step=t, counts=self.counts_at(t))
         ps = leaves(params, self.structure, self.call, "params")
         xs = ps if create_graph else [p.detach().requires_grad_(True) for p in ps]
+        versions = self.buffer_versions() if first and t == 0 else None
         with torch.enable_grad():
             loss = check_scalar(
                 self.inner_loss(rebuild(self.structure, xs), self.batch(t)), self.call, "inner_loss"
             )
             gs = grads_of(loss, xs, self.call, create_graph=create_graph)
+        if versions is not None:
+            self.check_buffers(versions)
         if first:
             self._store_loss(t, loss.detach())
         else:
             self._compare_loss(t, loss.detach())
         return rebuild(self.structure, gs), state, params
+
+    def buffer_versions(self) -> list[int]:
+        """The version counters of the buffers of the module given as ``params0``."""
+        return [b._version for _, b in self._buffers]
+
+    def check_buffers(self, versions: list[int]) -> None:
+        """Refuse an inner loss that updated a buffer of the module given as ``params0`` in
+        place (BatchNorm's running statistics in training mode): the steps are replayed, which
+        updates it again (a second call gave another hypergradient), and the hypergradient
+        leaves out how the buffer depends on the hyperparameters (0.5 % off)."""
+        for (name, buf), before in zip(self._buffers, versions, strict=True):
+            if buf._version != before:
+                raise ValueError(
+                    message(
+                        self.call,
+                        "inner_loss",
+                        "a loss that leaves the module's buffers as they are (the steps are "
+                        "replayed, and buffers are not differentiated)",
+                        f"a loss that updated the buffer {name!r} in place (e.g. BatchNorm's "
+                        "running statistics in training mode)",
+                        "put such layers in eval mode for the inner loss (model.eval(), or "
+                        "track_running_stats=False), or pass copies of the buffers to "
+                        "functional_call with the parameters",
+                    )
+                )
 
     def _store_loss(self, t: int, value: torch.Tensor) -> None:
         """Keep the inner loss of step ``t``'s first run (checkpoint recomputes are not first

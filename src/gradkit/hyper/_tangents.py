@@ -186,10 +186,13 @@ def advance(
     """Step ``t``: ``s_{t+1}`` and the tangent of every direction."""
     n = len(traj.ps)
     xs = [p.detach().requires_grad_(True) for p in traj.ps]
+    versions = dyn.buffer_versions() if t == 0 else None
     with hyper_leaves(hypers if directions else ()), torch.enable_grad():
         loss = check_scalar(
             dyn.inner_loss(rebuild(dyn.structure, xs), dyn.batch(t)), dyn.call, "inner_loss"
         )
+        if versions is not None:
+            dyn.check_buffers(versions)
         wrt = [*xs, *hypers] if directions else xs
         res: Sequence[torch.Tensor | None] = (
             torch.autograd.grad(loss, wrt, create_graph=bool(directions), allow_unused=True)
