@@ -91,7 +91,7 @@ def test_an_inner_loss_updating_the_modules_buffers_is_refused(engine: str) -> N
     options = {"last": 2} if engine == "truncated" else {}
 
     def run():  # type: ignore[no-untyped-def]
-        outer = lambda p: inner(p, None)  # noqa: E731
+        outer = lambda p: inner(p, None)
         sgd = optim.sgd(lr=lr)
         return getattr(hyper, engine)(
             inner, outer, model, sgd, steps=3, hyper={"lr": lr}, **options
