@@ -270,8 +270,8 @@ class GradientMonitor:
         loss = current.loss
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach().double().mean())  # a float64 loss kept to the last digit
-        sizes = getattr(stats, "pass_sizes", [])
-        means = any(getattr(stats, "pass_means", []))
+        sizes = getattr(stats, "_pass_sizes", [])
+        means = any(getattr(stats, "_pass_means", []))
         if self.scale_to_grad and means and len(set(sizes)) > 1 and not self._warned_uneven:
             self._warned_uneven = True
             warnings.warn(

@@ -375,10 +375,10 @@ class Tracker(TrackerResults):
         self._merged = False  # all_reduce was called
         self._model_calls: list[ModelCall] = []  # the model calls under way
         self._cuda = False  # a tracked call ran on CUDA (see _precision.full_float32)
-        # the examples of each backward pass, in order (micro-batches: GradientMonitor reads it)
-        self.pass_sizes: list[int] = []
+        # the examples of each backward pass, in order (GradientMonitor reads it: micro-batches)
+        self._pass_sizes: list[int] = []
         # each pass's loss is a mean over its rows, maybe scaled (see _layout.scaled_mean)
-        self.pass_means: list[bool] = []
+        self._pass_means: list[bool] = []
 
     # -- context manager ---------------------------------------------------------------------
 
@@ -839,7 +839,7 @@ class Tracker(TrackerResults):
                 )
             )
         if not self.verify_reduction:  # any loss read as shares: the monitor asks about it
-            self.pass_means.append(scaled_mean(backward_roots()))
+            self._pass_means.append(scaled_mean(backward_roots()))
         self._left_out = check_pass(
             self._records,
             self._loss_reduction if self.verify_reduction else None,
@@ -1094,7 +1094,7 @@ class Tracker(TrackerResults):
             with full_float32(True):
                 self._add_later(later, deferred)
         n = next(iter(sizes.values()), 0)
-        self.pass_sizes.append(n)
+        self._pass_sizes.append(n)
         left_out = self._left_out
         for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
             if pid not in reached and pid not in left_out:
