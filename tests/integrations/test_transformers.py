@@ -132,7 +132,8 @@ def test_trainer_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path, a
     # the Trainer's own log: its pre-clipping gradient norm, and the monitor's metrics
     logged = [h for h in trainer.state.log_history if "gradkit/grad_norm" in h]
     assert [h["step"] for h in logged] == [1, 3]
-    assert logged[0]["gradkit/grad_norm"] == pytest.approx(float(logged[0]["grad_norm"]), rel=1e-6)
+    own = {h["step"]: h for h in trainer.state.log_history if "loss" in h}  # its own lines
+    assert logged[0]["gradkit/grad_norm"] == pytest.approx(float(own[1]["grad_norm"]), rel=1e-6)
     assert logged[0].get("gradkit/noise_scale") == first["noise_scale"]  # None: not logged
     assert all(math.isfinite(v) for k, v in logged[0].items() if k.startswith("gradkit/"))
     assert not any(k.startswith("gradkit/layers/") for k in logged[0])  # log_layers=False
@@ -146,6 +147,34 @@ def test_trainer_logs_the_oracle_statistics_of_the_accumulated_batch(tmp_path, a
 
 def _hooks(model):
     return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def test_the_trainers_own_logged_loss_is_left_as_it_is(tmp_path):
+    """The metrics go out in log lines of their own: forcing a log at each tracked step reset
+    the window the Trainer averages its loss over (the loss logged at step 8 came out 0.36 for
+    1.64 with logging_steps=4 and every=3)."""
+
+    def losses(monitored):
+        model = gpt2()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8,
+            logging_steps=4, learning_rate=1e-3, report_to="none", use_cpu=True,
+            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
+        )
+        if monitored:
+            monitor_trainer(trainer, every=3)
+        trainer.train()
+        history = trainer.state.log_history
+        mine = [h["step"] for h in history if "gradkit/grad_norm" in h]
+        return [(h["step"], h["loss"]) for h in history if "loss" in h], mine
+
+    plain, _ = losses(False)
+    monitored, steps = losses(True)
+    assert monitored == plain and [s for s, _ in plain] == [4, 8]
+    assert steps == [1, 4, 7]
 
 
 def test_an_fp16_gradscaler_is_divided_out_of_the_statistics(tmp_path):

@@ -74,6 +74,9 @@ class GradientMonitorCallback(TrainerCallback):
     ) -> None:
         self.window = MonitorWindow(every, writer, quantities, layers, log_layers, options)
         self._pending: dict[str, float] | None = None
+        # set by monitor_trainer: the metrics then go out through trainer.log, leaving the
+        # Trainer's own logging (and the loss it averages between logs) as it is
+        self.trainer: Any = None
         if model is not None:
             self.window.attach(model)
 
@@ -97,8 +100,14 @@ class GradientMonitorCallback(TrainerCallback):
             self._pending = numbers
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self._pending is not None:
-            control.should_log = True  # log this step, with the metrics
+        if self._pending is None:
+            return control
+        if self.trainer is not None:  # a log line of their own, at this step
+            numbers, self._pending = self._pending, None
+            self.trainer.log(dict(numbers))
+            return control
+        # added by hand: this step's log carries them (its loss averages over fewer steps)
+        control.should_log = True
         return control
 
     def on_log(
@@ -128,5 +137,6 @@ def monitor_trainer(trainer: Any, every: int = 50, **options: Any) -> GradientMo
     if scaler is not None and options.get("loss_scale") is None:
         options["loss_scale"] = scaler
     callback = GradientMonitorCallback(every, model=trainer.model, **options)
+    callback.trainer = trainer
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback
