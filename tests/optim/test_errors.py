@@ -367,3 +367,17 @@ def test_bad_update_arguments_are_explained(call, error, pattern):
     state = opt.init(_params())
     with pytest.raises(error, match=pattern):
         call(opt, state)
+
+
+def test_a_per_parameter_value_on_another_device_than_its_parameter_is_refused():
+    """A non-0-d per-parameter value on the CPU beside CUDA parameters failed at the first update
+    with torch's bare device error (seen on an H200); the meta device stands in for CUDA here.
+    A 0-d value is read wherever it lives."""
+    params = {"W": torch.ones(4, 3, device="meta"), "b": torch.ones(3, device="meta")}
+    per_weight = optim.sgd(lr={"W": torch.full((4, 3), 0.1, device="cpu"), "b": 0.1})
+    with pytest.raises(
+        ValueError, match=r"sgd.init\(params\): lr\['W'\]: expected a tensor on its"
+    ):
+        per_weight.init(params)
+    optim.sgd(lr={"W": torch.tensor(0.1, device="cpu"), "b": 0.1}).init(params)
+    optim.sgd(lr={"W": torch.full((4, 3), 0.1, device="meta"), "b": 0.1}).init(params)

@@ -189,11 +189,34 @@ class Optimizer:
         missing["counts"] = counts
         return self.state_type(step=step, **fields, **missing)
 
+    def _check_devices(self, by_key: dict[Any, torch.Tensor], call: str) -> None:
+        """Refuse a per-parameter value of more than one entry on another device than its
+        parameter: the update multiplies them, where torch raised its bare device error (a 0-d
+        value or a schedule is read wherever it lives)."""
+        for key, value in self._values.items():
+            if not isinstance(value, Mapping):
+                continue
+            for name, v in value.items():
+                p = by_key.get(name)
+                if not (isinstance(v, torch.Tensor) and isinstance(p, torch.Tensor)):
+                    continue
+                if v.dim() > 0 and v.device != p.device:
+                    raise ValueError(
+                        message(
+                            call,
+                            f"{key}[{name!r}]",
+                            f"a tensor on its parameter's device ({p.device}), or a 0-d one",
+                            f"a {tuple(v.shape)} tensor on {v.device}",
+                            f"move it with .to({str(p.device)!r}) when building the optimizer",
+                        )
+                    )
+
     def init(self, params: Params) -> Any:
         """The initial state: ``step = 0``, zero slots shaped like ``params`` and every count 0
         (a slot is first written at its parameter's first gradient)."""
         call = f"{self.name}.init(params)"
         structure, values = self._params(params, call)
+        self._check_devices(dict(zip(structure.keys, values, strict=True)), call)
         fields = {
             s: rebuild(structure, [torch.zeros_like(p.detach()) for p in values])
             for s in self.slots
