@@ -49,6 +49,23 @@ def test_the_report_of_a_log(tmp_path, capsys):
     assert main(["monitor-report", str(tmp_path), "--out", str(tmp_path / "more")]) == 0  # folder
 
 
+def test_a_log_of_two_runs_is_reported_as_its_last_run(tmp_path):
+    """A monitor appends to an existing log: a second run's steps start again, and the report
+    counted both runs as one (\"6 tracked steps, 0 to 4\", one series). The per-layer section's
+    numbers reach metrics.json too (its per_layer entry was empty)."""
+    log = tmp_path / "grads.jsonl"
+    _log(log)
+    second = _log(log, steps=4)
+    assert main(["monitor-report", str(log), "--out", str(tmp_path / "runs")]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    report = (run / "report.md").read_text()
+    assert "2 tracked steps, 0 to 2" in report
+    assert "The log holds 2 runs (its steps start again at records 4" in report
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["whole_model"]["last"] == json.loads(json.dumps(second.records[-1]))
+    assert metrics["per_layer"]["last"] == json.loads(json.dumps(second.records[-1]["layers"]))
+
+
 def _written(name, text):
     def make(d):
         (d / name).write_text(text)

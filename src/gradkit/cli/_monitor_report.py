@@ -143,11 +143,25 @@ def monitor_report(log: str, out: str) -> Path:
         raise LogError(str(err)) from None
     if not records:
         raise LogError(f"{path} holds no records; a GradientMonitor writes one per tracked step")
-    report = Report.open(out, "gradkit monitor report", {"log": str(path), "records": len(records)})
-    steps = [r["step"] for r in records]
-    body = f"{len(records)} tracked steps, {steps[0]} to {steps[-1]}, from `{path}`.\n\n" + _table(
-        records
+    # a writer appends: a run written to an existing log follows the last one, its steps
+    # starting again (the two were read as one run, plotted as one series)
+    starts = [0] + [
+        i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]
+    ]
+    runs = len(starts)
+    records = records[starts[-1] :]
+    report = Report.open(
+        out, "gradkit monitor report", {"log": str(path), "records": len(records), "runs": runs}
     )
+    steps = [r["step"] for r in records]
+    body = f"{len(records)} tracked steps, {steps[0]} to {steps[-1]}, from `{path}`.\n\n"
+    if runs > 1:
+        body += (
+            f"The log holds {runs} runs (its steps start again at records "
+            f"{', '.join(str(i + 1) for i in starts[1:])}: a monitor appends to an existing "
+            "log); this report reads the last.\n\n"
+        )
+    body += _table(records)
     report.add_section(
         "Whole model",
         body,
@@ -160,5 +174,6 @@ def monitor_report(log: str, out: str) -> Path:
             "The median SNR (mean^2 / variance over a layer's entries) and the noise scale of "
             "each layer.",
             _per_layer(records),
+            metrics={"first": records[0]["layers"], "last": records[-1]["layers"]},
         )
     return report.save()
