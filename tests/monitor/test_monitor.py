@@ -282,29 +282,35 @@ def test_scale_to_grad_reads_a_mean_loss_as_shares():
         assert record[key] == pytest.approx(value, rel=1e-10), key
 
 
-def test_scale_to_grad_warns_where_unequal_micro_batches_weigh_examples_unequally():
-    """A micro-batch mean divided by the number of micro-batches gives the examples of a short
-    micro-batch a larger share: with scale_to_grad the step's variance came out 58 % above
-    the examples' own (8 + 2 examples). It is said, once; equal micro-batches are quiet."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(D)
-    x, y = torch.randn(10, 5, dtype=D), torch.randint(0, 3, (10,))
-    monitor = GradientMonitor(model, loss_reduction="sum", scale_to_grad=True)
-    for parts, warned in (
-        ([slice(0, 5), slice(5, 10)], False),
-        ([slice(0, 8), slice(8, 10)], True),
-    ):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for _ in range(2):
-                with monitor.step():
-                    for part in parts:
-                        (nn.functional.cross_entropy(model(x[part]), y[part]) / 2).backward()
-                model.zero_grad()
-        texts = [str(w.message) for w in seen]
-        assert len(texts) == (1 if warned else 0)
-        if warned:
-            assert "held [8, 2] examples" in texts[0] and "drop_last=True" in texts[0]
+def test_scale_to_grad_gives_the_examples_own_statistics_for_unequal_micro_batch_means():
+    """Each micro-batch's mean divided by the number of micro-batches (Lightning; the HF
+    Trainer without num_items_in_batch) gives the examples of a short micro-batch a larger
+    share: read as shares times the step's examples, the step's variance came out 58 % above
+    the examples' own (micro-batches of 8 and 2). Such passes are read as means, and the
+    statistics are the examples' own, as the oracle's; equal micro-batches give the same
+    record as before, whose mean is .grad. A step mixing a mean pass with a sum pass warns."""
+    model, x, y = problem()
+    g = per_example(model, x, y)
+    want = reduced(g)
+    for parts in ([slice(0, 6), slice(6, 12)], [slice(0, 9), slice(9, 12)]):
+        monitor = GradientMonitor(model, loss_reduction="sum", scale_to_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with monitor.step():
+                for part in parts:
+                    (nn.functional.cross_entropy(model(x[part]), y[part]) / 2).backward()
+        (record,) = monitor.records
+        for key in ("grad_norm", "grad_variance", "noise_scale", "snr_median"):
+            assert record[key] == pytest.approx(want[key], rel=1e-9), (parts, key)
+        if parts[0].stop == 6:  # equal: the mean is the gradient in .grad
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            assert record["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-10)
+        model.zero_grad()
+    mixed = GradientMonitor(model, loss_reduction="sum", scale_to_grad=True)
+    mixes = "mixed backward passes whose loss was a micro-batch"
+    with pytest.warns(UserWarning, match=mixes), mixed.step():
+        nn.functional.cross_entropy(model(x[:6]), y[:6]).backward()
+        nn.functional.cross_entropy(model(x[6:]), y[6:], reduction="sum").backward()
 
 
 def test_json_lines_are_strict_json_and_bad_paths_are_refused_at_once(tmp_path):

@@ -16,9 +16,9 @@ Lightning divides the loss by ``accumulate_grad_batches`` and the loss is usuall
 the micro-batch, so the monitor takes each example's share of the backpropagated loss
 (``loss_reduction="sum"``) scaled by the number of examples (``scale_to_grad=True``): the
 individual gradients' mean is the gradient in ``.grad`` before clipping, and the noise scale
-and SNR are those of the examples' own losses when the window's micro-batches are of equal
-size (or the loss is normalized by the window's count); a short micro-batch's examples weigh
-more otherwise, and the monitor warns (see ``docs/monitor.md``). Under
+and SNR are those of the examples' own losses (each micro-batch's mean divided by
+``accumulate_grad_batches`` is read as a mean: also for an epoch's short last micro-batch, see
+``docs/monitor.md``). Under
 ``precision="16-mixed"`` the loss is also multiplied by the precision plugin's ``GradScaler``:
 its scale, read at each tracked step, is divided out (``loss_scale``).
 """

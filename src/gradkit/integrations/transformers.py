@@ -20,9 +20,8 @@ The Trainer normalizes the loss itself (by the window's token count when the mod
 example's share of the backpropagated loss (``loss_reduction="sum"``) scaled by the number of
 examples (``scale_to_grad=True``): the individual gradients' mean is then the gradient in
 ``.grad`` before clipping, and the noise scale and SNR are those of the examples' own losses
-when the window's micro-batches are of equal size (or the loss is normalized by the window's
-count); a short micro-batch's examples weigh more otherwise, and the monitor warns (see
-``docs/monitor.md``).
+(a micro-batch's mean divided by the number of micro-batches is read as a mean: also for an
+epoch's short last micro-batch, see ``docs/monitor.md``).
 Under ``fp16`` the Trainer's accelerator also multiplies the loss by its ``GradScaler``:
 :func:`monitor_trainer` passes that scaler on (``loss_scale``), so its scale, read at each
 tracked step, is divided out; with the callback alone, pass

@@ -79,7 +79,10 @@ class GradientMonitor:
             the number of micro-batches) and its gradient times the step's number of examples,
             so that the individual gradients' mean is the gradient the step's backward passes
             summed into ``.grad``: what trainers that normalize the loss themselves need. The
-            noise scale and the SNR do not depend on the scale.
+            noise scale and the SNR do not depend on the scale. A backward whose loss is a
+            micro-batch's mean, scaled (divided by the number of micro-batches), is read as a
+            mean instead, times the number of backward passes: the examples' own gradients,
+            also for micro-batches of different sizes.
         group: the process group for merging ranks (default: the world).
         **track_options: further keyword arguments of :func:`gradkit.per_example.track`
             (``batch_dim``, ``fallback``, ``max_memory``, ...).
@@ -220,6 +223,7 @@ class GradientMonitor:
             tracker = track(self.model, *self.quantities, **self._track)
             # the shares of any loss, mean or divided by hand, are rescaled in the summary
             tracker.verify_reduction = not self.scale_to_grad
+            tracker.read_means = self.scale_to_grad
             current.stats = scope.enter_context(tracker)
         self._open = (current, scope)
         return current
@@ -262,6 +266,31 @@ class GradientMonitor:
             return float(value) if value is not None else None
         return None if self.lr is None else float(self.lr)
 
+    def _share_scale(self, index: int, stats: Any) -> float:
+        """The factor from the tracked shares to the individual gradients (``scale_to_grad``).
+        Passes whose loss is a sum over their items divided by a count common to the step: the
+        step's examples (the shares' mean is then ``.grad``). Passes whose loss is each
+        micro-batch's mean, scaled (divided by the number of micro-batches: Lightning, the HF
+        Trainer for a model without ``num_items_in_batch``): the tracker read each as a mean
+        (its shares times its examples), and the factor is the number of passes, which gives
+        the examples' own gradients also for micro-batches of different sizes (with the step's
+        examples instead, a short micro-batch's examples weighed more: 58 % on the variance
+        for 8 and 2). A step mixing both kinds is read as the former, with a warning."""
+        means = stats._pass_means
+        if means and all(means):
+            return float(len(means))
+        if any(means) and not self._warned_uneven:
+            self._warned_uneven = True
+            warnings.warn(
+                f"GradientMonitor: step {index} mixed backward passes whose loss was a "
+                "micro-batch's mean and passes whose loss was not: with scale_to_grad=True "
+                "each example's gradient is then its share times the step's examples, which "
+                "weighs the examples of the mean passes by their micro-batch's size. Said once "
+                "per monitor.",
+                stacklevel=4,
+            )
+        return float(stats.num_examples)
+
     def _summarize(self, current: MonitorStep) -> dict[str, Any]:
         stats = current.stats
         assert stats is not None
@@ -270,23 +299,9 @@ class GradientMonitor:
         loss = current.loss
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach().double().mean())  # a float64 loss kept to the last digit
-        sizes = getattr(stats, "_pass_sizes", [])
-        means = any(getattr(stats, "_pass_means", []))
-        if self.scale_to_grad and means and len(set(sizes)) > 1 and not self._warned_uneven:
-            self._warned_uneven = True
-            warnings.warn(
-                f"GradientMonitor: step {current.index}'s backward passes held {sizes} examples, "
-                "and their losses were each micro-batch's mean (scaled). With "
-                "scale_to_grad=True each example's gradient is its share of the loss times the "
-                "step's examples, so the examples of a smaller micro-batch weigh more: the "
-                "variance, SNR, noise scale and norm quantiles of such a step are those of the "
-                "weighted gradients, not of the examples' own losses (Lightning; the HF Trainer "
-                "for a model without num_items_in_batch). Equal micro-batches "
-                "(drop_last=True), or a loss normalized by a count common to the step (a sum "
-                "over the step's items divided by their number), avoid it. Said once per "
-                "monitor.",
-                stacklevel=3,
-            )
+        scale = 1.0
+        if self.scale_to_grad:
+            scale = self._share_scale(current.index, stats)
         norms = stats.batch_l2() if "batch_l2" in self.quantities else None
         record = summarize(
             stats,
@@ -295,7 +310,7 @@ class GradientMonitor:
             lr=self._learning_rate(),
             loss=None if loss is None else float(loss),
             layers=self.layers,
-            scale=float(stats.num_examples) if self.scale_to_grad else 1.0,
+            scale=scale,
         )
         self.records.append(record)
         if _rank() == 0:

@@ -283,6 +283,10 @@ class Tracker(TrackerResults):
         # False: any loss is read as a sum of per-example shares (a caller that rescales the
         # statistics itself, as GradientMonitor(scale_to_grad=True) does)
         self.verify_reduction = True
+        # with verify_reduction False: a pass whose loss is a scaled mean (see
+        # _layout.scaled_mean) is read as a mean, its shares times its examples
+        self.read_means = False
+        self._pass_mean = False  # the pass under way is read so
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
         check_bool(fuse, call, "fuse")
@@ -744,7 +748,7 @@ class Tracker(TrackerResults):
     def _scale(self, n: int) -> float:
         """The factor from the gradients reaching a call of ``n`` examples to their ``g_i``
         (every statistic goes through it)."""
-        share = float(n) if self._loss_reduction == "mean" else 1.0
+        share = float(n) if self._loss_reduction == "mean" or self._pass_mean else 1.0
         return share / self._loss_scale
 
     def _edge_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
@@ -840,6 +844,7 @@ class Tracker(TrackerResults):
             )
         if not self.verify_reduction:  # any loss read as shares: the monitor asks about it
             self._pass_means.append(scaled_mean(backward_roots()))
+            self._pass_mean = self.read_means and self._pass_means[-1]
         self._left_out = check_pass(
             self._records,
             self._loss_reduction if self.verify_reduction else None,
