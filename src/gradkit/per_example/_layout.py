@@ -334,7 +334,9 @@ def backward_roots(depth: int = 32) -> list[torch.Tensor]:
     return _roots_of(found[0]) if len(found) == 1 else []
 
 
-def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossReduction]:
+def loss_reductions(
+    roots: list[torch.Tensor], limit: int = 64, *, through_scaling: bool = False
+) -> list[LossReduction]:
     """The reductions a loss certainly applied (see :mod:`._loss_graph`): loss nodes whose
     saved ``reduction`` is ``mean`` or ``sum`` (``NllLossBackward0`` of ``cross_entropy``,
     ``MseLossBackward0``, ...), a full ``mean()``/``sum()`` taken directly of a loss with
@@ -342,7 +344,8 @@ def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossRedu
     (``l1_loss``, ``kl_div``, ``cross_entropy`` with class probabilities or label smoothing,
     ...), found at a root or below root-level additions (a loss plus a regularizer). Anything
     else (a division by a count, a scale, a custom loss) is not inspected: a constant may have
-    turned a sum into a mean."""
+    turned a sum into a mean. ``through_scaling``: also below root-level multiplications and
+    divisions by a constant, and scaled additions (the reductions, whatever their weight)."""
     found: list[LossReduction] = []
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     tops = set(stack)
@@ -357,34 +360,26 @@ def loss_reductions(roots: list[torch.Tensor], limit: int = 64) -> list[LossRedu
             )
             continue
         name = type(node).__name__
-        if name in ("AddBackward0", "AddBackward1") and getattr(node, "_saved_alpha", 1) == 1:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
+        kids = [n for n, _ in node.next_functions if n is not None]
+        if name in ("AddBackward0", "AddBackward1"):
+            if through_scaling or getattr(node, "_saved_alpha", 1) == 1:
+                stack.extend(kids)
+        elif through_scaling and name in _SCALINGS and len(kids) == 1:
+            stack.extend(kids)
     return found
 
 
-def scaled_mean(roots: list[torch.Tensor], limit: int = 64) -> bool:
+_SCALINGS = ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1")
+"""Nodes that scale the loss when one of their inputs is a constant (no graph)."""
+
+
+def scaled_mean(roots: list[torch.Tensor]) -> bool:
     """Whether the loss of ``roots`` is, below root-level additions and multiplications or
     divisions by a constant, a mean over more than one row that its graph records (a
     micro-batch's mean divided by the number of micro-batches): its examples' shares depend on
     the micro-batch's size."""
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    for _ in range(limit):
-        if not stack:
-            return False
-        node = stack.pop()
-        m = match_loss(node)
-        if m is not None:
-            if m.reduction == "mean" and m.rows != 1:
-                return True
-            continue
-        name = type(node).__name__
-        kids = [n for n, _ in node.next_functions if n is not None]
-        if name in ("AddBackward0", "AddBackward1") or (
-            name in ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1")
-            and len(kids) == 1
-        ):
-            stack.extend(kids)
-    return False
+    found = loss_reductions(roots, through_scaling=True)
+    return any(f.reduction == "mean" and f.rows != 1 for f in found)
 
 
 def reaches(node: Any, targets: set[Any], limit: int = 200_000) -> bool:
