@@ -17,6 +17,7 @@ __all__ = [
     "find_error_nodes",
     "first_grads",
     "graph_nodes",
+    "refuse_second_order",
     "second_grads",
     "second_order_message",
     "second_order_suspect",
@@ -160,10 +161,22 @@ def first_grads(
     gs = torch.autograd.grad(
         outputs, list(inputs), grad_outputs, create_graph=True, allow_unused=True
     )
-    errors = find_error_nodes(outputs, gs, weight_norm=weight_norm)
+    refuse_second_order(outputs, gs, call=call, weight_norm=weight_norm)
+    return gs
+
+
+def refuse_second_order(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    grads: Iterable[torch.Tensor | None],
+    *,
+    call: str,
+    weight_norm: bool = True,
+) -> None:
+    """Raise, naming ``call``, where the first gradients ``grads`` of ``outputs`` cannot be
+    differentiated again exactly (see :func:`find_error_nodes`)."""
+    errors = find_error_nodes(outputs, grads, weight_norm=weight_norm)
     if errors:
         raise GradkitError(second_order_message(call, errors))
-    return gs
 
 
 def second_order_message(call: str, errors: Sequence[str]) -> str:

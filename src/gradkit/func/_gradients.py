@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch.autograd.graph import Node
 
-from gradkit._autograd import find_error_nodes, second_order_message
+from gradkit._autograd import refuse_second_order
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import (
     as_tensor_list,
@@ -454,9 +454,7 @@ def hessians(
     _check_xs(x_list, call)
     firsts: list[torch.Tensor | None] = list(gradients(ys, x_list, create_graph=True))
     roots = [ys] if isinstance(ys, torch.Tensor) else [y for y in ys if isinstance(y, torch.Tensor)]
-    errors = find_error_nodes(roots, firsts)
-    if errors:
-        raise GradkitError(second_order_message(call, errors))
+    refuse_second_order(roots, firsts, call=call)
     out: list[torch.Tensor | None] = []
     for x, g in zip(x_list, firsts, strict=True):
         if g is None:
