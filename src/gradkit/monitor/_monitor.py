@@ -183,7 +183,7 @@ class GradientMonitor:
         self.lr = lr
         self.layers = layers
         self.scale_to_grad = scale_to_grad
-        self._warned_uneven = False  # see _summarize
+        self._warned_mixed = False  # see _share_scale
         self.group = group
         self._track = {"loss_reduction": loss_reduction, **track_options}
         self._writers = make_writers(writer, _CALL)
@@ -279,8 +279,8 @@ class GradientMonitor:
         means = stats._pass_means
         if means and all(means):
             return float(len(means))
-        if any(means) and not self._warned_uneven:
-            self._warned_uneven = True
+        if any(means) and not self._warned_mixed:
+            self._warned_mixed = True
             warnings.warn(
                 f"GradientMonitor: step {index} mixed backward passes whose loss was a "
                 "micro-batch's mean and passes whose loss was not: with scale_to_grad=True "

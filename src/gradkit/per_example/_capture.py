@@ -26,7 +26,7 @@ from gradkit.per_example._edge_mean import EdgeMean, will_execute
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
-from gradkit.per_example._layout import backward_roots, check_loss_reduction
+from gradkit.per_example._layout import check_loss_reduction
 from gradkit.per_example._outside import check_outside_uses, checked_module
 from gradkit.per_example._registry import (
     Use,
@@ -129,6 +129,7 @@ def check_pass(
     loss_reduction: str | None,
     checked: Mapping[int, str],
     params: Mapping[int, torch.Tensor],
+    roots: list[torch.Tensor],
     *,
     through_gradients: bool = False,
 ) -> frozenset[int]:
@@ -144,9 +145,9 @@ def check_pass(
     of per-example shares), a parameter of ``checked`` (``id -> name``) used outside its
     layer's calls (see :mod:`._outside`; ``through_gradients``: an earlier pass built a graph
     of the gradient, whose nodes may use a parameter through its layer's own intermediate
-    nodes). Called at the pass's first tracked output, before the gradient reaches any
-    tracked parameter (a refused pass leaves ``p.grad`` as it was)."""
-    roots = backward_roots()
+    nodes). ``roots``: the pass's (:func:`._layout.backward_roots`). Called at the pass's
+    first tracked output, before the gradient reaches any tracked parameter (a refused pass
+    leaves ``p.grad`` as it was)."""
     nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
     accumulators: dict[int, Node] = {}
     found = edges_into(nodes, params, accumulators)

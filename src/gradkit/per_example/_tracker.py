@@ -286,7 +286,6 @@ class Tracker(TrackerResults):
         # with verify_reduction False: a pass whose loss is a scaled mean (see
         # _layout.scaled_mean) is read as a mean, its shares times its examples
         self.read_means = False
-        self._pass_mean = False  # the pass under way is read so
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
         check_bool(fuse, call, "fuse")
@@ -379,9 +378,8 @@ class Tracker(TrackerResults):
         self._merged = False  # all_reduce was called
         self._model_calls: list[ModelCall] = []  # the model calls under way
         self._cuda = False  # a tracked call ran on CUDA (see _precision.full_float32)
-        # the examples of each backward pass, in order (GradientMonitor reads it: micro-batches)
-        self._pass_sizes: list[int] = []
-        # each pass's loss is a mean over its rows, maybe scaled (see _layout.scaled_mean)
+        # each pass's loss is a mean over its rows, maybe scaled (see _layout.scaled_mean), in
+        # order: recorded with verify_reduction False (GradientMonitor reads it)
         self._pass_means: list[bool] = []
 
     # -- context manager ---------------------------------------------------------------------
@@ -748,7 +746,10 @@ class Tracker(TrackerResults):
     def _scale(self, n: int) -> float:
         """The factor from the gradients reaching a call of ``n`` examples to their ``g_i``
         (every statistic goes through it)."""
-        share = float(n) if self._loss_reduction == "mean" or self._pass_mean else 1.0
+        mean = self._loss_reduction == "mean" or (
+            self.read_means and bool(self._pass_means) and self._pass_means[-1]  # this pass's
+        )
+        share = float(n) if mean else 1.0
         return share / self._loss_scale
 
     def _edge_hook(self, record: UseRecord, ks: list[tuple[int, int]]) -> Any:
@@ -842,14 +843,15 @@ class Tracker(TrackerResults):
                     "start a new track block for the next step",
                 )
             )
+        roots = backward_roots()
         if not self.verify_reduction:  # any loss read as shares: the monitor asks about it
-            self._pass_means.append(scaled_mean(backward_roots()))
-            self._pass_mean = self.read_means and self._pass_means[-1]
+            self._pass_means.append(scaled_mean(roots))
         self._left_out = check_pass(
             self._records,
             self._loss_reduction if self.verify_reduction else None,
             self._checked,
             self._tracked,
+            roots,
             through_gradients=bool(self._kept),
         )
 
@@ -1099,7 +1101,6 @@ class Tracker(TrackerResults):
             with full_float32(True):
                 self._add_later(later, deferred)
         n = next(iter(sizes.values()), 0)
-        self._pass_sizes.append(n)
         left_out = self._left_out
         for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
             if pid not in reached and pid not in left_out:
