@@ -149,21 +149,25 @@ def _hooks(model):
     return sum(len(m._forward_hooks) for m in model.modules())
 
 
+def _gpt2_trainer(tmp_path, *, max_steps: int, logging_steps: int):  # type: ignore[no-untyped-def]
+    """A Trainer of :func:`gpt2` on :class:`Rows`, batches of 4, on the CPU."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=max_steps,
+        logging_steps=logging_steps, learning_rate=1e-3, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    return transformers.Trainer(
+        model=gpt2(), args=args, train_dataset=Rows(), data_collator=Recorder()
+    )
+
+
 def test_the_trainers_own_logged_loss_is_left_as_it_is(tmp_path):
     """The metrics go out in log lines of their own: forcing a log at each tracked step reset
     the window the Trainer averages its loss over (the loss logged at step 8 came out 0.36 for
     1.64 with logging_steps=4 and every=3)."""
 
     def losses(monitored):
-        model = gpt2()
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=8,
-            logging_steps=4, learning_rate=1e-3, report_to="none", use_cpu=True,
-            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
-        )  # fmt: skip
-        trainer = transformers.Trainer(
-            model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
-        )
+        trainer = _gpt2_trainer(tmp_path, max_steps=8, logging_steps=4)
         if monitored:
             monitor_trainer(trainer, every=3)
         trainer.train()
@@ -184,15 +188,7 @@ def test_an_fp16_gradscaler_is_divided_out_of_the_statistics(tmp_path):
     the records of a run without one. A CPU ``GradScaler`` stands in for the CUDA one."""
 
     def first_record(scaler):
-        model = gpt2()
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
-            logging_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True,
-            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
-        )  # fmt: skip
-        trainer = transformers.Trainer(
-            model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
-        )
+        trainer = _gpt2_trainer(tmp_path, max_steps=1, logging_steps=1)
         trainer.accelerator.scaler = scaler
         callback = monitor_trainer(trainer, every=1)
         trainer.train()
