@@ -187,3 +187,99 @@ def test_statistics_under_the_result_floor_are_fresh(monkeypatch):
     stat, _ = _stats_step(model, 0)
     _ = stat.mean
     assert model[0].weight not in _buffers._POOL
+
+
+def _sums_step(model, seed, positions):
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    x = torch.randn(6, *positions, 5, dtype=torch.float64, generator=g)
+    y = torch.randn(6, *positions, 3, dtype=torch.float64, generator=g)
+
+    def loss_fn(out, t):
+        return F.mse_loss(out, t, reduction="sum")
+
+    model.zero_grad(set_to_none=True)
+    with track(model, "variance", moments=(3,), loss_reduction="sum", unbiased=True) as stats:
+        loss_fn(model(x), y).backward()
+    grads = per_example_grads(model, loss_fn, x, y)["0.weight"]
+    want = {"mean": grads.mean(0), "variance": grads.var(0), "moment3": grads.pow(3).mean(0)}
+    return stats["0.weight"], want
+
+
+def _check(stat, want):
+    got = {"mean": stat.mean, "variance": stat.variance, "moment3": stat.moment(3)}
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-10, atol=1e-13, msg=k)
+
+
+@pytest.mark.parametrize("positions", [(), (4,)], ids=["closed_forms", "materialized"])
+def test_running_sums_reuse_storage_and_never_that_of_a_live_block(positions):
+    """The sums a block accumulates (the mean read at the edges, the moments by closed forms or
+    from materialized blocks) are written into storage kept from an earlier block once nothing
+    holds it; a block whose statistics are still alive keeps its own."""
+    model = _setup()
+    first, want_first = _sums_step(model, 0, positions)
+    sums = first._acc.sums
+    ptrs = {p: sums[p].data_ptr() for p in (1, 2, 3)}
+    assert all(sums[p].untyped_storage().data_ptr() in _pool_ptrs(model) for p in ptrs)
+    second, want_second = _sums_step(model, 1, positions)
+    assert all(second._acc.sums[p].data_ptr() != ptrs[p] for p in ptrs)  # first is alive
+    _check(second, want_second)
+    _check(first, want_first)  # not overwritten by the second block
+    del first, sums
+    third, want_third = _sums_step(model, 2, positions)
+    assert {p: third._acc.sums[p].data_ptr() for p in ptrs} == ptrs  # dropped: refilled
+    _check(third, want_third)
+    _check(second, want_second)
+
+
+def _pool_ptrs(model):
+    kinds = _buffers._POOL[model[0].weight]
+    return {b.untyped_storage().data_ptr() for k, bufs in kinds.items() for b in bufs}
+
+
+def test_a_rule_whose_power_sum_takes_no_storage_keeps_fresh_sums():
+    """A subclass that overrides ``power_sum`` without ``out`` is never handed storage."""
+    from gradkit.per_example import Materialized
+
+    class Plain(Materialized):
+        def power_sum(self, p, scale=1.0):
+            return super().power_sum(p, scale)
+
+    class Into(Materialized):
+        sums_into = True
+
+        def power_sum(self, p, scale=1.0, out=None):
+            return super().power_sum(p, scale, out)
+
+    assert not Plain(torch.zeros(2, 3)).sums_into
+    assert Into(torch.zeros(2, 3)).sums_into and Materialized(torch.zeros(2, 3)).sums_into
+
+
+def test_an_embedding_table_s_sums_reuse_storage_exactly():
+    """An embedding's closed forms add its rows into the table-shaped sum in place: reused
+    storage is zeroed first, and a live block's is never taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Flatten(), nn.Linear(12, 2)).double()
+
+    def loss_fn(out, t):
+        return F.mse_loss(out, t, reduction="sum")
+
+    def step(seed):
+        g = torch.Generator(torch.get_default_device()).manual_seed(seed)
+        x = torch.randint(0, 11, (6, 3), generator=g)
+        y = torch.randn(6, 2, dtype=torch.float64, generator=g)
+        with track(model, "second_moment", loss_reduction="sum") as stats:
+            loss_fn(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+        want = per_example_grads(model, loss_fn, x, y)["0.weight"].square().mean(0)
+        return stats["0.weight"], want
+
+    first, want_first = step(0)
+    ptr = first._acc.sums[2].data_ptr()
+    second, want_second = step(1)
+    assert second._acc.sums[2].data_ptr() != ptr
+    del first
+    third, want_third = step(2)
+    assert third._acc.sums[2].data_ptr() == ptr
+    for stat, want in ((second, want_second), (third, want_third)):
+        torch.testing.assert_close(stat.second_moment, want, rtol=1e-10, atol=1e-13)

@@ -1,6 +1,7 @@
-"""Storage for per-example gradients (``batch_grad``) and for the statistics read from a block
-(``mean``, ``second_moment``, ``variance``, ``moment(p)``), reused from one ``track()`` block to
-the next, on the CPU.
+"""Storage for per-example gradients (``batch_grad``), for the running sums a block accumulates
+(:meth:`._stats.PowerSums.storage`) and for the statistics read from a block (``mean``,
+``second_moment``, ``variance``, ``moment(p)``), reused from one ``track()`` block to the next,
+on the CPU.
 
 ``batch_grad`` holds ``N x params`` numbers: 274 MB for a 535k-parameter MLP at batch 128. A
 fresh CPU tensor that large is mapped by the operating system page by page as it is first

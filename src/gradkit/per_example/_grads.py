@@ -19,6 +19,7 @@ use of a shared layer), ``g`` group, ``o`` output feature, ``i`` input feature.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -45,6 +46,15 @@ class PerExampleGrad:
     """Whether the blocks :meth:`chunks` yields are fresh tensors (scaled in place)."""
     on_block: Callable[[torch.Tensor], None] | None = None
     """Called with every block :meth:`chunks` yields to the statistics, before they use it."""
+    sums_into: bool = False
+    """Whether :meth:`power_sum` takes ``out=``: storage shaped like the parameter, in the
+    statistics' dtype, which it may write its result into (reused, not freshly allocated).
+    A subclass that overrides :meth:`power_sum` without saying so does not."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "power_sum" in cls.__dict__ and "sums_into" not in cls.__dict__:
+            cls.sums_into = False
 
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         """Yield ``[n_c, *shape]`` blocks of per-example gradients, ``n_c <= size``."""
@@ -65,9 +75,12 @@ class PerExampleGrad:
         tensor (reused storage: no fresh allocation per step)."""
         return False
 
-    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
+    def power_sum(
+        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``sum_n (scale * g_n) ** p`` (shaped like the parameter) by a closed form, or None.
-        The result is a fresh tensor the caller may keep."""
+        The result is a tensor the caller may keep: fresh, or ``out`` (given only where
+        :attr:`sums_into` says so) holding it."""
         return None
 
     def sq_norms(self) -> torch.Tensor | None:
@@ -102,14 +115,20 @@ class Materialized(PerExampleGrad):
         self.num_examples = grads.shape[0]
         self.shape = grads.shape[1:]
 
+    sums_into = True
+
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         if size >= self.num_examples:  # one block: no split views
             yield self.grads
         else:
             yield from self.grads.split(size)
 
-    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
-        total = self.grads.pow(p).sum(0) if p != 1 else self.grads.sum(0)
+    def power_sum(
+        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if out is not None and out.dtype != self.grads.dtype:
+            out = None
+        total = torch.sum(self.grads.pow(p) if p != 1 else self.grads, 0, out=out)
         return total.mul_(scale**p) if scale != 1.0 else total
 
     def sq_norms(self) -> torch.Tensor | None:
@@ -176,7 +195,11 @@ class OuterProduct(PerExampleGrad):
             else:
                 yield self._block(start, stop, scale, where == "a", out=out), True
 
-    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
+    sums_into = True
+
+    def power_sum(
+        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         if self.T != 1:
             return None
         a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
@@ -186,10 +209,14 @@ class OuterProduct(PerExampleGrad):
             a, g = a.pow(p), g.pow(p)
         if self.groups == 1:  # the scale rides in the product (addmm's alpha)
             g2d, a2d = g[:, 0], a[:, 0]
+            into = None
+            if out is not None and out.dtype == a2d.dtype and out.is_contiguous():
+                into = out.view(self.o, self.i)
             if scale == 1.0:
-                return torch.mm(g2d.T, a2d).view(self.shape)
+                return torch.mm(g2d.T, a2d, out=into).view(self.shape)
             empty = g2d.new_empty(())  # beta=0: never read
-            return torch.addmm(empty, g2d.T, a2d, beta=0, alpha=scale**p).view(self.shape)
+            product = torch.addmm(empty, g2d.T, a2d, beta=0, alpha=scale**p, out=into)
+            return product.view(self.shape)
         if scale != 1.0:  # on the smaller factor, before the product
             g = g * scale**p
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
@@ -241,9 +268,13 @@ class BiasOf(Materialized):
             super().__init__(g.sum(1).reshape(g.shape[0], -1), owned=True)
         self.weight = weight
 
-    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor | None:
+    sums_into = True
+
+    def power_sum(
+        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         if p != 2 or self.weight.T != 1:
-            return super().power_sum(p, scale)
+            return super().power_sum(p, scale, out)
         total = self.weight.G_squared().sum(0).view(self.shape)
         return total.mul_(scale**2) if scale != 1.0 else total
 

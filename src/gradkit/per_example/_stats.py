@@ -163,6 +163,14 @@ class PowerSums:
         """Zeros of ``shape``, in the statistics' dtype, on the parameter's device."""
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def storage(self, p: int) -> torch.Tensor | None:
+        """Storage for the first sum of ``g**p``, shaped like the parameter, reused from an
+        earlier block's (see :mod:`._buffers`), or None: a fresh tensor (the sum exists and
+        later values add into it, or nothing is pooled: off the CPU, a small parameter)."""
+        if p in self.sums or self.owner is None or self.owner.shape != self.shape:
+            return None
+        return result_buffer(self.owner, self.dtype, f"sum{p}")
+
     def add_sum(
         self, p: int, value: torch.Tensor, alpha: float = 1.0, *, owned: bool = False
     ) -> None:
@@ -173,8 +181,9 @@ class PowerSums:
             self.sums[p].add_(value, alpha=alpha)
         elif owned and alpha == 1.0:
             self.sums[p] = value
-        else:
-            self.sums[p] = torch.mul(value, alpha)
+        else:  # the copy in reused storage: a fresh one faults its pages in (0.3 ms for 1.6 MB)
+            out = self.storage(p) if value.shape == self.shape else None
+            self.sums[p] = torch.mul(value, alpha, out=out)
 
     def add_zeros(self, n: int, want: Want) -> None:
         """Count ``n`` examples whose gradient is zero (the loss did not reach the parameter in
@@ -211,7 +220,8 @@ def add_block(
         powers.insert(0, 1)
     remaining = []
     for p in powers:
-        s = pe.power_sum(p, scale)
+        out = acc.storage(p) if pe.sums_into else None
+        s = pe.power_sum(p, scale, out=out) if out is not None else pe.power_sum(p, scale)
         if s is None:
             remaining.append(p)
         else:
@@ -252,12 +262,12 @@ def add_block(
             squares = None
             for p in remaining:
                 if p == 1:
-                    acc.add_sum(1, g.sum(0), owned=True)
+                    acc.add_sum(1, torch.sum(g, 0, out=acc.storage(1)), owned=True)
                 elif p == 2 and not keep and p == remaining[-1]:
                     squares = g.square_()  # the last use of the block, but for the norms
-                    acc.add_sum(2, squares.sum(0), owned=True)
+                    acc.add_sum(2, torch.sum(squares, 0, out=acc.storage(2)), owned=True)
                 else:
-                    acc.add_sum(p, g.pow(p).sum(0), owned=True)
+                    acc.add_sum(p, torch.sum(g.pow(p), 0, out=acc.storage(p)), owned=True)
             if need_l2:
                 # reshape, not flatten(1): a 0-dim parameter's blocks are [n]
                 if squares is None:

@@ -936,8 +936,8 @@ class Tracker(TrackerResults):
                 mean_given = all([r.mean.readable(pid) for r, _ in pending])
                 for r, _ in pending:
                     buffered = r.mean.settle(pid, mean_given)
-                    if buffered is not None:
-                        self._accs[pid].add_sum(1, buffered)
+                    if buffered is not None:  # a fresh sum (EdgeMean.on_edge)
+                        self._accs[pid].add_sum(1, buffered, owned=True)
             if st.shared:
                 self._deferred.setdefault(pid, []).append((pe, mean_given, self._scale(n)))
             elif self._write_later and pe.on_block is None:

@@ -63,9 +63,17 @@ class EmbeddingGrad(PerExampleGrad):
         self.example = key // num_rows
         self.row = key % num_rows
 
-    def power_sum(self, p: int, scale: float = 1.0) -> torch.Tensor:
+    sums_into = True
+
+    def power_sum(
+        self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         vals = self.rows if p == 1 else self.rows.pow(p)
-        return vals.new_zeros(self.shape).index_add_(0, self.row, vals, alpha=scale**p)
+        if out is None or out.dtype != vals.dtype:
+            out = vals.new_zeros(self.shape)
+        else:
+            out.zero_()
+        return out.index_add_(0, self.row, vals, alpha=scale**p)
 
     def sq_norms(self) -> torch.Tensor:
         return self.rows.new_zeros(self.num_examples).index_add_(
