@@ -4,6 +4,9 @@ still refers to it."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -283,3 +286,99 @@ def test_an_embedding_table_s_sums_reuse_storage_exactly():
     assert third._acc.sums[2].data_ptr() == ptr
     for stat, want in ((second, want_second), (third, want_third)):
         torch.testing.assert_close(stat.second_moment, want, rtol=1e-10, atol=1e-13)
+
+
+def _mean_step(model, seed):
+    stat, want = _stats_step(model, seed)
+    return stat, want["mean"]
+
+
+def _next_mean_elsewhere(model, ptr):
+    """The next block's mean: right, and not in the storage at ``ptr``."""
+    stat, want = _mean_step(model, 1)
+    got = stat.mean
+    assert got.data_ptr() != ptr
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+
+
+def test_a_result_held_by_its_storage_object_alone_is_never_overwritten():
+    """torch keeps one Python object per storage: holding it adds references, not a use."""
+    model = _setup()
+    stat, want = _mean_step(model, 0)
+    mean = stat.mean
+    held = mean.untyped_storage()
+    ptr = mean.data_ptr()
+    del mean, stat
+    _next_mean_elsewhere(model, ptr)
+    kept = torch.empty(0, dtype=torch.float64).set_(held, 0, want.shape)
+    torch.testing.assert_close(kept, want, rtol=1e-10, atol=1e-14)
+
+
+def test_a_result_moved_to_shared_memory_is_never_reused():
+    """A tensor sent to another process (a logging worker) lives on there in shared memory."""
+    model = _setup()
+    stat, _ = _mean_step(model, 0)
+    mean = stat.mean.share_memory_()  # what torch.multiprocessing does to a tensor it sends
+    ptr = mean.data_ptr()
+    del mean, stat
+    _next_mean_elsewhere(model, ptr)
+
+
+def test_a_result_whose_storage_was_resized_is_never_reused():
+    """Written into after ``resize_(0)``, the storage would be overrun."""
+    model = _setup()
+    for size in (0, 16):
+        stat, _ = _mean_step(model, 0)
+        stat.mean.untyped_storage().resize_(size)
+        del stat
+        stat, want = _mean_step(model, 1)
+        torch.testing.assert_close(stat.mean, want, rtol=1e-10, atol=1e-14)
+
+
+def test_reads_in_inference_mode_leave_later_results_ordinary_tensors():
+    model = _setup()
+    stat, _ = _mean_step(model, 0)
+    with torch.inference_mode():
+        inside = stat.mean
+    assert inside.is_inference()
+    del inside, stat
+    stat, want = _mean_step(model, 1)
+    got = stat.mean
+    assert not got.is_inference()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+
+
+def test_two_threads_never_take_the_same_storage(monkeypatch):
+    """Free, then taken, under one lock: two threads reading statistics at once (a logging
+    thread and the training loop) each get storage of their own."""
+    model = _setup()
+    first, _ = _mean_step(model, 0)
+    second, _ = _mean_step(model, 1)
+    first.mean.numel()  # a buffer exists, free again once dropped
+    barrier = threading.Barrier(2)
+    free = _buffers._free
+
+    def slow_free(t):  # both threads find the same buffer free before either takes it
+        result = free(t)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=0.5)
+        return result
+
+    monkeypatch.setattr(_buffers, "_free", slow_free)
+    got = {}
+    threads = [
+        threading.Thread(target=lambda k=k, s=s: got.__setitem__(k, s.mean))
+        for k, s in (("first", first), ("second", second))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got["first"].data_ptr() != got["second"].data_ptr()
+
+
+def test_an_old_block_read_after_its_parameter_was_reshaped_is_fresh():
+    model = _setup()
+    stat, want = _mean_step(model, 0)
+    model[0].weight.data = torch.zeros(9, 5, dtype=torch.float64)  # another shape
+    torch.testing.assert_close(stat.mean, want, rtol=1e-10, atol=1e-14)

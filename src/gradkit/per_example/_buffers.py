@@ -28,6 +28,8 @@ tensors are not pooled: the CUDA caching allocator already reuses device memory.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -43,19 +45,28 @@ previous step, in 199 us into a block fresh from the heap."""
 _POOL: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> {kind: [buffers]}
 
 
-def _use_count(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """The use count of the storage of ``t``, and the Python references to its storage object
+    (torch may keep one object per storage: a storage object the user holds adds no use, but
+    references)"""
+    storage = t.untyped_storage()
+    return int(torch._C._storage_Use_Count(storage._cdata)), sys.getrefcount(storage)
 
 
 _HAS_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")
 _ALONE = (
-    _use_count(torch.empty(1, device="cpu")) if _HAS_USE_COUNT else -1
+    _holders(torch.empty(1, device="cpu")) if _HAS_USE_COUNT else (-1, -1)
 )  # one tensor, nothing else
+_LOCK = threading.Lock()  # threads reading statistics take buffers one at a time
 
 
 def _free(t: torch.Tensor) -> bool:
-    """Whether nothing but the pool's own tensor refers to the storage of ``t``."""
-    return _use_count(t) == _ALONE
+    """Whether nothing but the pool's own tensor refers to the storage of ``t``: no tensor,
+    view, storage object or array of the user's in this process, none in another (a tensor
+    sent to one is moved to shared memory), and the storage still of its size (``resize_``)."""
+    if t.is_shared() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return False
+    return _holders(t) == _ALONE
 
 
 def _reused(
@@ -65,6 +76,15 @@ def _reused(
         return None
     if math.prod(shape) * dtype.itemsize < min_bytes:
         return None
+    if torch.is_inference_mode_enabled():  # its tensors are inference tensors: never kept
+        return None
+    with _LOCK:  # free, then taken: no other thread in between
+        return _take(owner, shape, dtype, kind)
+
+
+def _take(
+    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, kind: str
+) -> torch.Tensor:
     kinds: dict[str, list[torch.Tensor]] = _POOL.setdefault(owner, {})
     kept = kinds.get(kind, [])
     for buf in kept:

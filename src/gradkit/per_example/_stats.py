@@ -379,7 +379,9 @@ class ParamStats:
         """Storage for a result, reused from an earlier block's when nothing holds it (see
         :mod:`._buffers`), or None: a fresh tensor."""
         acc = self._acc
-        return None if acc.owner is None else result_buffer(acc.owner, acc.dtype, kind)
+        if acc.owner is None or acc.owner.shape != acc.shape:  # the parameter was reshaped since
+            return None
+        return result_buffer(acc.owner, acc.dtype, kind)
 
     def _average(self, p: int, what: str, ask: str) -> torch.Tensor:
         """``(1/N) sum_i g_i**p`` as a tensor of the caller's."""
