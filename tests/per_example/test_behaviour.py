@@ -192,16 +192,41 @@ def test_unbiased_option():
     assert_close(stats["weight"].variance, ref.var(0, unbiased=True))
 
 
-def test_retain_graph_two_backwards_count_twice():
-    model = nn.Linear(2, 1).double()
+@pytest.mark.parametrize("same_loss", [True, False], ids=["same_loss", "two_tasks"])
+def test_a_second_backward_through_counted_calls_is_refused(same_loss):
+    """Two losses of one forward backpropagated one after the other (retain_graph=True) would
+    count each example twice, and the two losses' gradients as two examples: the mean came out
+    half of p.grad / N. Refused at the second pass, before it reaches a parameter."""
+    model = nn.Linear(2, 2).double()
     x = torch.randn(3, 2, dtype=D)
-    with track(model, "mean") as stats:
+    with track(model, "mean", "variance") as stats:
+        out = model(x)
+        out[:, 0].pow(2).mean().backward(retain_graph=True)
+        first = model.weight.grad.clone()
+        second = out[:, 0 if same_loss else 1].pow(2).mean()
+        with pytest.raises(GradkitError, match=r"second pass through a call of model \(Linear\)"):
+            second.backward()
+    assert_close(model.weight.grad, first)  # refused before the parameters
+    want = per_example_grads(model, lambda o, t: (o[:, 0] ** 2).sum(), x, None)["weight"]
+    assert stats.num_examples == 3
+    assert_close(stats["weight"].mean, want.mean(0))
+
+
+def test_passes_that_leave_the_parameters_out_may_go_through_counted_calls():
+    """An input's gradient before or after the parameters' pass (adversarial training, a
+    saliency map) adds no example: retained graphs may serve it."""
+    model = nn.Linear(2, 2).double()
+    x = torch.randn(3, 2, dtype=D, requires_grad=True)
+    with track(model, "mean", "variance") as stats:
         loss = model(x).pow(2).sum(1).mean()
+        torch.autograd.grad(loss, x, retain_graph=True)
         loss.backward(retain_graph=True)
-        loss.backward()
-    ref = per_example_grads(model, lambda o, t: (o**2).sum(), x, None)["weight"]
-    assert stats.num_examples == 6
-    assert_close(stats["weight"].mean, ref.mean(0))
+        torch.autograd.grad(loss, x)
+    ref = per_example_grads(model, lambda o, t: (o**2).sum(), x.detach(), None)["weight"]
+    assert stats.num_examples == 3
+    assert_close(
+        [stats["weight"].mean, stats["weight"].variance], [ref.mean(0), ref.var(0, unbiased=False)]
+    )
 
 
 def test_batchnorm_training_mode_refused_with_explanation():
@@ -529,6 +554,8 @@ def test_tracker_and_captures_are_freed(quantity):
 
 
 def test_retained_graph_of_a_shared_layer_counts_each_backward_once():
+    """A layer called twice in one forward: one pass counts its examples once; a second pass
+    through the retained graph is refused."""
     from .settings import Twice
 
     torch.manual_seed(0)
@@ -538,8 +565,9 @@ def test_retained_graph_of_a_shared_layer_counts_each_backward_once():
     with track(model, "mean", "variance") as stats:
         loss = (model(x) ** 3).sum(1).mean()
         loss.backward(retain_graph=True)
-        loss.backward()
-    assert stats.num_examples == 6
+        with pytest.raises(GradkitError, match="second pass through a call"):
+            loss.backward()
+    assert stats.num_examples == 3
     for name, g in ref.items():
         assert_close(
             [stats[name].mean, stats[name].variance], [g.mean(0), g.var(0, unbiased=False)]

@@ -122,6 +122,7 @@ def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) 
         try:
             with torch.enable_grad():
                 with track(data.model, "second_moment", loss_reduction="sum") as stats:
+                    stats.repeat_passes = True  # one pass per column of the factor, summed
                     out = data.forward(inputs)
                     _check_rows(out, n, call)
                     pos, neg = factors(out.detach(), targets, index)
@@ -129,6 +130,7 @@ def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) 
                 total += weight * _read(layout, stats)
                 if neg.shape[0]:
                     with track(data.model, "second_moment", loss_reduction="sum") as stats:
+                        stats.repeat_passes = True
                         _push(layout, data.forward(inputs), neg)
                     total -= weight * _read(layout, stats)
         except GradkitError as err:

@@ -46,7 +46,15 @@ from gradkit.per_example._flat import flatten, unflatten
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._layout import CallLayout
 
-__all__ = ["Call", "Dims", "ModelCall", "disagree_error", "mismatch_error", "split_call"]
+__all__ = [
+    "Call",
+    "Dims",
+    "ModelCall",
+    "counted_again_error",
+    "disagree_error",
+    "mismatch_error",
+    "split_call",
+]
 
 
 @dataclass
@@ -1017,5 +1025,24 @@ def disagree_error(sizes: list[tuple[str, int]]) -> GradkitError:
             "int, or per submodule); RNNs, attention, convolutions and torch.nn transformer "
             "blocks are read by their own layout. Calls of the model on different batches "
             "need a backward pass each",
+        )
+    )
+
+
+def counted_again_error(label: str) -> GradkitError:
+    """The error for a backward pass through a call whose examples an earlier pass counted
+    (``retain_graph=True``: two losses of one forward, backpropagated one after the other)."""
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "the backward passes",
+            "one backward pass into the parameters per forward call (each pass adds its "
+            "examples: micro-batches)",
+            f"a second pass through a call of {label} whose examples an earlier pass already "
+            "counted (retain_graph=True): each example would count twice, and its two "
+            "losses' gradients as two examples",
+            "add the losses and backpropagate once, (loss_a + loss_b).backward(): the "
+            "statistics are then those of each example's whole gradient; or run the model "
+            "again for the second loss, if its examples are other examples",
         )
     )

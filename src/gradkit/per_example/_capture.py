@@ -70,6 +70,9 @@ class UseRecord:
     checked: tuple[int, ...] = ()  # ids of its parameters whose other uses are refused
     base: Node | None = None  # the base's node of an output that is a view of part of it
     arrivals: int = 0  # output gradients received (backward passes through this call)
+    # a pass that built no graph added this call's examples to its parameters' statistics: a
+    # later pass through it (retain_graph=True) would count them again
+    counted: bool = False
     base_visits: int = 0  # of those, gradients of the base of a partial view (hook_target)
     # a user's rule is checked against autograd: the gradient its call sent into each
     # parameter in this pass (see Tracker._verify_hook), None when not checked

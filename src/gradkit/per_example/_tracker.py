@@ -88,6 +88,7 @@ from gradkit._validate import (
 from gradkit.per_example._batch import (
     ModelCall,
     check_broadcast_consumers,
+    counted_again_error,
     disagree_error,
     mismatch_error,
     out_of_order,
@@ -286,6 +287,9 @@ class Tracker(TrackerResults):
         # with verify_reduction False: a pass whose loss is a scaled mean (see
         # _layout.scaled_mean) is read as a mean, its shares times its examples
         self.read_means = False
+        # True: a pass may go through calls an earlier pass counted, adding their examples
+        # again (the exact curvature diagonals: one pass per column of a factor, summed)
+        self.repeat_passes = False
         check_choice(fallback, ("vmap", "warn", "error"), call, "fallback")
         batch_dim, given_dims = parse_batch_dim(batch_dim, modules, call)
         check_bool(fuse, call, "fuse")
@@ -786,6 +790,9 @@ class Tracker(TrackerResults):
             return
         record.arrivals += 1
         self._start_backward()
+        counts = not self._left_out.issuperset(st.pids.values())
+        if record.counted and counts and not self.repeat_passes:
+            raise counted_again_error(record.label)
         if torch.is_grad_enabled():  # create_graph: this pass builds a graph through the layer
             self._builds_graph = True
         call = record.call
@@ -872,6 +879,9 @@ class Tracker(TrackerResults):
         n = ns.pop()
         self._sizes[st.name or "model"] = n
         self._done.extend(r for r, _ in pending)
+        if not self._builds_graph and not self._left_out.issuperset(st.pids.values()):
+            for r, _ in pending:
+                r.counted = True
         self._reached.update(st.pids.values())
         if n == 0:  # a batch of no example: nothing to add (its edges carry empty sums)
             for r, _ in pending:
