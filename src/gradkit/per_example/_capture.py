@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +135,8 @@ def check_pass(
     roots: list[torch.Tensor],
     *,
     through_gradients: bool = False,
+    kept: Collection[int] = (),
+    unchecked: Mapping[int, str] | None = None,
 ) -> frozenset[int]:
     """The tracked parameters (``params``: ``id -> parameter``) whose gradient a backward pass
     leaves out although its graph reaches them (all of them: the pass adds no statistic).
@@ -148,7 +150,11 @@ def check_pass(
     of per-example shares), a parameter of ``checked`` (``id -> name``) used outside its
     layer's calls (see :mod:`._outside`; ``through_gradients``: an earlier pass built a graph
     of the gradient, whose nodes may use a parameter through its layer's own intermediate
-    nodes). ``roots``: the pass's (:func:`._layout.backward_roots`). Called at the pass's
+    nodes). Refused too: a pass through calls whose graph a pass with ``create_graph`` kept
+    (``kept``: their records' ids) that computes the gradient of a parameter of ``unchecked``
+    (``id -> name``: layers read by the vmap fallback or a user's rule, whose uses inside the
+    graph of a gradient cannot be followed). ``roots``: the pass's
+    (:func:`._layout.backward_roots`). Called at the pass's
     first tracked output, before the gradient reaches any tracked parameter (a refused pass
     leaves ``p.grad`` as it was)."""
     nodes = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -168,6 +174,10 @@ def check_pass(
     ]
     if hidden:
         raise hidden_view_error([r.label for r in hidden])
+    if unchecked and kept and any(id(r) in kept for r in live):
+        blind = sorted(unchecked[pid] for pid in found if pid in unchecked and pid not in left_out)
+        if blind:
+            raise _through_gradient_error(blind)
     mismatched = [r for r in live if r.call.mode == "mismatch"]
     if mismatched:
         raise mismatch_error([f"{r.label} {r.call.problem}" for r in mismatched])
@@ -190,6 +200,25 @@ def check_pass(
     calls = {nd for r in counted for nd in r.nodes}
     check_outside_uses(nodes, expected, checked, calls, found, shared=through_gradients)
     return left_out
+
+
+def _through_gradient_error(names: list[str]) -> GradkitError:
+    listed = ", ".join(repr(n) for n in names[:3]) + (
+        f" and {len(names) - 3} more" if len(names) > 3 else ""
+    )
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "model",
+            "in a pass through the graph of a gradient (an earlier pass in the block ran with "
+            "create_graph=True, as a gradient penalty does), parameters whose every use on the "
+            "examples gradkit can follow",
+            f"{listed}, of layers read by the vmap fallback or a rule of yours: the graph of "
+            "the gradient uses them too, a use their per-example gradients would leave out",
+            "track steps without the penalty, or freeze these parameters "
+            "(requires_grad_(False)) to track the rest",
+        )
+    )
 
 
 def _differentiates(acc: Node) -> bool:

@@ -158,7 +158,7 @@ def check_outside_uses(
                 "per-example gradients would leave that use out",
                 "call the layer instead, tie the weight to a second module (tracked as a "
                 "shared parameter), or freeze them (requires_grad_(False)) to track the rest; "
-                "a loss with a gradient penalty cannot be split by example: track steps "
-                "without the penalty",
+                "the per-example gradients of a loss with a gradient penalty are not "
+                "computed: track steps without the penalty",
             )
         )

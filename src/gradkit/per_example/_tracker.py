@@ -329,6 +329,14 @@ class Tracker(TrackerResults):
         dims = inner_batch_dims(modules, batch_dim, given_dims)
         self._states = tracked_modules(modules, dims, fallback, call)
         self._checked = {pid: self._names[pid] for st in self._states for pid in st.checked}
+        # parameters whose uses outside their layers' calls cannot be followed (the vmap
+        # fallback's, a user's rule's): refused in a pass through the graph of a gradient
+        self._unchecked = {
+            pid: self._names[pid]
+            for st in self._states
+            for pid in st.pids.values()
+            if pid not in self._checked
+        }
         self._left_out: frozenset[int] = frozenset()  # by the pass under way (_start_backward)
         for st in self._states:
             for pid in st.pids.values():
@@ -860,6 +868,8 @@ class Tracker(TrackerResults):
             self._tracked,
             roots,
             through_gradients=bool(self._kept),
+            kept=self._kept,
+            unchecked=self._unchecked,
         )
 
     # -- processing ----------------------------------------------------------------------------
