@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from gradkit import GradkitError
 from gradkit.per_example import track
@@ -169,3 +169,54 @@ def test_reordered_rows_used_by_two_layers_flag_both() -> None:
         with pytest.raises(GradkitError, match=r"called on rows reordered"):
             _ = stats[name].batch_grad
     assert stats["a.weight"].batch_grad.shape == (N, 3, 3)
+
+
+class PaddedHead(nn.Module):
+    """A GRU on a packed sequence (``enforce_sorted=False``), its padded outputs unpacked by
+    ``pad_packed_sequence`` (which puts the rows back in the examples' order) and a head on
+    every position; ``resort`` sorts the unpacked rows by length again before the head."""
+
+    def __init__(self, batch_first: bool, resort: bool = False) -> None:
+        super().__init__()
+        self.batch_first, self.resort = batch_first, resort
+        self.rnn = nn.GRU(3, 5, batch_first=batch_first)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        bf = self.batch_first
+        packed = pack_padded_sequence(x, lengths, batch_first=bf, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=bf, total_length=6)
+        if not bf:
+            out = out.transpose(0, 1)
+        if self.resort:
+            assert packed.sorted_indices is not None
+            out = out.index_select(0, packed.sorted_indices)
+        return self.head(out).pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_head_on_unpacked_rows_is_in_the_examples_order(batch_first: bool) -> None:
+    """``pad_packed_sequence`` unpacks in the sorted order and restores the examples' order by
+    ``unsorted_indices``: the head's per-example results were refused as reordered (with
+    batch_first=True), advising the enforce_sorted=False the model used."""
+    torch.manual_seed(0)
+    model = PaddedHead(batch_first).to(D)
+    lengths = torch.tensor([6, 3, 5, 2])
+    x = torch.randn(N, 6, 3, dtype=D)
+    xs = x if batch_first else x.transpose(0, 1).contiguous()
+    kw = {} if batch_first else {"batch_dim": {"": 1, "head": 0}}
+    want = {}
+    for i in range(N):
+        xi = x[i : i + 1] if batch_first else x[i : i + 1].transpose(0, 1)
+        grads = torch.autograd.grad(model(xi, lengths[i : i + 1]).sum(), list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
+            want.setdefault(name, []).append(g)
+    with track(model, "batch_grad", "batch_l2", loss_reduction="sum", **kw) as stats:
+        model(xs, lengths).sum().backward()
+    for name, gs in want.items():
+        assert_close(stats[name].batch_grad, torch.stack(gs), rtol=1e-8, atol=1e-12)
+    resorted = PaddedHead(True, resort=True).to(D)
+    with track(resorted, "batch_grad", loss_reduction="sum") as stats:
+        resorted(x, lengths).sum().backward()
+    with pytest.raises(GradkitError, match=r"head \(Linear\) called on rows reordered"):
+        _ = stats["head.weight"].batch_grad

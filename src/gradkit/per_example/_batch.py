@@ -84,6 +84,10 @@ class ModelCall:
     # output node of a tracked call made after something was expanded -> its inputs' nodes: the
     # consumer walk steps over the call (a fallback module's own transposes are its business)
     call_inputs: dict[Any, list[Any]] = field(default_factory=dict)
+    # (data pointer, length) of the unsorted_indices of packed sequences given to tracked calls:
+    # pad_packed_sequence's index_select by them puts rows of the packed (sorted) order back in
+    # the examples' order (see row_order)
+    unsorts: set[tuple[int, int]] = field(default_factory=set)
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -480,6 +484,9 @@ def row_order(
         if shape is not None and (len(shape) <= d or shape[d] != n):
             ends.append(order)  # not the examples' rows (a broadcast operand, a weight)
             continue
+        if op == "IndexSelect" and _unsorts(node, d, rank, model):
+            ends.append(order)  # rows of the packed (sorted) order, unsorted: the examples
+            continue
         rows = _reordered_rows(node, op, d, n, rank, order, device)
         if rows is not None:
             if rows is not True:
@@ -501,6 +508,16 @@ def row_order(
     if not moved:
         return None
     return moved[0] if len(moved) == 1 else True
+
+
+def _unsorts(node: Any, dim: int, rank: int | None, model: ModelCall) -> bool:
+    """Whether ``node`` (an ``index_select``) selects along ``dim`` by the ``unsorted_indices``
+    of a packed sequence given to a tracked call: ``pad_packed_sequence`` restoring the
+    examples' order of rows it unpacked in the packed sequence's sorted order."""
+    index = getattr(node, "_saved_index", None)
+    if not model.unsorts or index is None or _saved_dims(node, rank) != (dim,):
+        return False
+    return (index.data_ptr(), index.numel()) in model.unsorts
 
 
 def _compose(prior: Order, order: Order) -> Order:

@@ -713,6 +713,9 @@ class Tracker(TrackerResults):
         """:func:`._batch.row_order` of each input of a call that holds the examples."""
         orders = []
         for value in () if simple else (*args, *kwargs.values()):
+            if isinstance(value, PackedSequence) and value.unsorted_indices is not None:
+                index = value.unsorted_indices
+                model.unsorts.add((index.data_ptr(), index.numel()))
             if isinstance(value, PackedSequence) and value.data.grad_fn is not None:
                 # its rows, as the rules read them: unsorted back where it was sorted
                 start, dim, first = value.data.grad_fn, 0, value.unsorted_indices
