@@ -17,7 +17,7 @@ from torch import nn
 
 import gradkit
 from gradkit.per_example import track
-from gradkit.testing import per_example_grads
+from gradkit.testing import assert_close, per_example_grads
 
 D = torch.float64
 
@@ -204,3 +204,38 @@ def test_a_head_on_a_sequence_first_encoder_with_as_many_positions(norm_first: b
         losses(model(x), y).mean().backward()
     for name, g in want.items():
         torch.testing.assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+class _SequenceFirstGRU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.rnn, self.head = nn.Linear(3, 5), nn.GRU(5, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, N, 3] -> [T, N]
+        return self.head(self.rnn(torch.tanh(self.inp(x)))[0]).squeeze(-1)
+
+
+def test_a_layer_read_by_its_own_layout_advises_the_model_s_batch_dim() -> None:
+    """A sequence-first GRU after a Linear on [T, N, d] with T == N: the GRU reads the examples
+    in dimension 1 whatever batch_dim says, so naming it in batch_dim cannot help (the advice
+    said to, and gave the same error again); the Linear before it took dimension 0. The
+    advice is the model's batch_dim=1, which gives the oracle's gradients."""
+    torch.manual_seed(0)
+    model = _SequenceFirstGRU().double()
+    x = torch.randn(4, 4, 3, dtype=D)  # T == N
+
+    def loss_fn(out: torch.Tensor, _: object) -> torch.Tensor:
+        return out.pow(2).sum()
+
+    with pytest.raises(gradkit.GradkitError) as raised, track(model, "variance"):
+        model(x).pow(2).sum(0).mean().backward()
+    text = str(raised.value)
+    assert "rnn (GRU) reads its examples in dimension 1" in text, text
+    assert "Pass batch_dim=1 if the model's input holds its examples in dimension 1" in text
+    with track(model, "batch_grad", loss_reduction="sum", batch_dim=1) as stats:
+        model(x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        want = torch.stack(
+            [torch.autograd.grad(loss_fn(model(x[:, i : i + 1]), None), p)[0] for i in range(4)]
+        )
+        assert_close(stats[name].batch_grad, want)

@@ -786,11 +786,21 @@ def _source_text(model: ModelCall) -> str:
     )
 
 
-def _moved_problem(moved: tuple[int, str], d: int, n: int) -> str:
+def _moved_problem(moved: tuple[int, str], d: int, n: int, batch_dim: int) -> str:
     dim, source = moved
-    return (
-        f"reads its examples in dimension {d} of its input, but they are in dimension {dim} "
-        f"({source}; both have {n} entries): pass batch_dim={{<its name or its block's>: {dim}}}"
+    where = f"reads its examples in dimension {d} of its input, but they are in dimension {dim} "
+    if d == batch_dim:
+        return where + (
+            f"({source}; both have {n} entries): pass batch_dim={{<its name or its block's>: "
+            f"{dim}}}"
+        )
+    # a layer read by its own layout (an RNN, attention, a transformer block): batch_dim does
+    # not move it; the layers before it took the examples from the wrong dimension
+    return where + (
+        f"({source}; both have {n} entries), and it reads them where its own layout says "
+        f"(batch_first): the layers before it took them from dimension {dim}. Pass "
+        f"batch_dim={d} if the model's input holds its examples in dimension {d} (a "
+        f"sequence-first model), or give the layers before it that dimension"
     )
 
 
@@ -889,7 +899,7 @@ def split_call(
             if isinstance(t, torch.Tensor) and d is not None:
                 moved = moved_batch(t, d, n, model)
                 if moved is not None:
-                    mode, problem = "mismatch", _moved_problem(moved, d, n)
+                    mode, problem = "mismatch", _moved_problem(moved, d, n, batch_dim)
                     break
     if mode == "mismatch":
         shapes = [tuple(t.shape) for t in out_leaves if isinstance(t, torch.Tensor)]
