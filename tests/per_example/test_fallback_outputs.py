@@ -235,3 +235,33 @@ def test_a_re_run_that_fails_is_refused_naming_the_module_and_fixes() -> None:
     for words in ("a re-run of StateArgument on one example", "Expected hidden[1] size",
                   "pass batch_dim={its name: d}", "register a rule"):  # fmt: skip
         assert words in text, text
+
+
+@pytest.mark.parametrize("kind", ["rnn_dropout", "dropout_layer"])
+def test_a_random_forward_the_loop_re_runs_is_refused_naming_its_dropout(kind: str) -> None:
+    """An RNN (no vmap batching rule: re-run in a loop) with dropout between its layers in
+    training mode drew other masks on each re-run: reading raised that the re-runs did not
+    reproduce the batch's output, without the cause. It is refused naming the dropout; in eval
+    mode the same model is tracked."""
+    torch.manual_seed(0)
+
+    class WithDropout(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = 2 if kind == "rnn_dropout" else 1
+            self.rnn = nn.GRU(4, 5, num_layers=layers, dropout=0.5 if layers > 1 else 0.0)
+            self.drop = nn.Dropout(0.3 if kind == "dropout_layer" else 0.0)
+            self.scale = nn.Parameter(torch.ones(5))  # its own: re-run whole by the fallback
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(self.rnn(x.transpose(0, 1))[0] * self.scale).transpose(0, 1)
+
+    model = nn.Sequential(WithDropout(), nn.Flatten(), nn.Linear(15, 1)).double().train()
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    want = "dropout=0.5 between its layers" if kind == "rnn_dropout" else r"Dropout\(p=0.3\)"
+    with pytest.raises(GradkitError, match=want), track(model, "variance"):
+        model(x).pow(2).sum().backward()
+    model.eval()
+    with track(model, "variance") as stats:
+        model(x).pow(2).sum().backward()
+    assert stats.num_examples == 4

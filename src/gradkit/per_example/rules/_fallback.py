@@ -184,6 +184,19 @@ def _per_example_vjp(
         )
     else:  # checked outside the try: an error of the check is not a batching failure
         return checked(result)
+    random = _random_layer(module)
+    if random is not None:  # vmap refuses randomness; the loop would draw other masks
+        raise GradkitError(
+            message(
+                _by_fallback(module),
+                "model",
+                "a module whose forward the fallback can re-run on each example alone",
+                f"{type(module).__name__} with {random} in training mode: each re-run would "
+                "draw other random masks than the batch's",
+                "put it in eval mode (or its dropout at 0) while tracking, register a rule "
+                "(@gradkit.per_example.register_rule), or freeze its parameters",
+            )
+        )
     try:
         rows = [
             one(
@@ -209,6 +222,20 @@ def _per_example_vjp(
     found = tuple(torch.stack(parts) for parts in zip(*(r[0] for r in rows), strict=True))
     outs = tuple(torch.stack(parts) for parts in zip(*(r[1] for r in rows), strict=True))
     return checked((found, outs))
+
+
+def _random_layer(module: nn.Module) -> str | None:
+    """What in ``module`` draws random numbers in its forward in training mode (an RNN's
+    dropout between layers, a dropout layer), or None."""
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        where = f" ({name})" if name else ""
+        if isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1:
+            return f"dropout={m.dropout} between its layers{where}"
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"a {type(m).__name__}(p={m.p}){where}"
+    return None
 
 
 def _by_fallback(module: nn.Module) -> str:
