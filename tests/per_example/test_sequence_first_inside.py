@@ -239,3 +239,12 @@ def test_a_layer_read_by_its_own_layout_advises_the_model_s_batch_dim() -> None:
             [torch.autograd.grad(loss_fn(model(x[:, i : i + 1]), None), p)[0] for i in range(4)]
         )
         assert_close(stats[name].batch_grad, want)
+
+
+def test_an_unbatched_input_is_named_in_the_refusal() -> None:
+    """torch's RNNs take [T, F] as one example without a batch dimension: the refusal said the
+    outputs held "[] examples" only; it names the unbatched input and the fix."""
+    model = nn.GRU(3, 4).double()
+    refused = pytest.raises(gradkit.GradkitError, match=r"without a batch dimension \(an RNN")
+    with refused, track(model, "variance"):
+        model(torch.randn(5, 3, dtype=D))[0].sum().backward()

@@ -198,7 +198,11 @@ def _merged_call(
 def _dims_text(dims: list[int | None], batch_dim: int) -> str:
     found = sorted({d for d in dims if d is not None})
     if not found:
-        return f"none: batch_dim={batch_dim} is beyond their dimensions"
+        return (
+            f"none: batch_dim={batch_dim} is beyond their dimensions, or the layer took its "
+            "input as one example without a batch dimension (an RNN given [T, F], attention "
+            "[L, E], a convolution [C, H, W]): give the model's input a batch dimension"
+        )
     if found == [batch_dim]:
         return f"batch_dim={batch_dim}"
     return "dimension " + ", ".join(map(str, found)) + " by the layer's own layout"
@@ -789,10 +793,12 @@ def _source_text(model: ModelCall) -> str:
 def _moved_problem(moved: tuple[int, str], d: int, n: int, batch_dim: int) -> str:
     dim, source = moved
     where = f"reads its examples in dimension {d} of its input, but they are in dimension {dim} "
-    if d == batch_dim:
+    if d == batch_dim:  # the layer's or its transformer block's own layout may set d too
         return where + (
             f"({source}; both have {n} entries): pass batch_dim={{<its name or its block's>: "
-            f"{dim}}}"
+            f"{dim}}}, or batch_dim={d} where the model's input holds its examples in "
+            f"dimension {d} (a sequence-first model: a layer inside a torch.nn transformer "
+            "block, an RNN or attention layer reads them where its layout says)"
         )
     # a layer read by its own layout (an RNN, attention, a transformer block): batch_dim does
     # not move it; the layers before it took the examples from the wrong dimension
