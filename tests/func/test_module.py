@@ -243,3 +243,36 @@ def test_hessian_survives_torch_func_layer_norm_bug(caplog):
     )(flat_loss(model, nn.functional.cross_entropy, batch)[1])
     if (raw - raw.T).abs().max() > 1e-8:  # the bug is present in this torch
         assert "asymmetric Hessian" in caplog.text
+
+
+def test_a_vector_output_s_hessians_are_checked_too():
+    """torch.func's wrong layer_norm second derivative was caught for scalar outputs only: the
+    Hessians of a vector output came back 0.36 off (cross terms of weight and gain), silently.
+    Each output entry's Hessian is checked, and all are recomputed by double backward."""
+    from gradkit.func import hessian
+
+    torch.manual_seed(0)
+    X, Y = torch.randn(5, 3, dtype=D), torch.randn(5, 4, dtype=D)
+    W0, g0, b0 = torch.randn(4, 3, dtype=D), torch.randn(4, dtype=D), torch.randn(4, dtype=D)
+
+    def losses(W, g):
+        h = nn.functional.layer_norm(X @ W.T, (4,), g, b0)
+        return torch.stack([nn.functional.mse_loss(h, Y), (h.tanh() ** 2).mean()])
+
+    got = hessian(losses, W0, g0, argnums=(0, 1))
+    params = [W0.clone().requires_grad_(), g0.clone().requires_grad_()]
+    out = losses(*params)
+    for k in range(2):
+        grads = torch.autograd.grad(out[k], params, create_graph=True)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for i, pi in enumerate(params):
+            rows = torch.stack(
+                [
+                    torch.autograd.grad(flat[r], pi, retain_graph=True)[0]
+                    for r in range(flat.numel())
+                ]
+            )
+            for j, pj in enumerate(params):
+                start = 0 if j == 0 else W0.numel()
+                want = rows[start : start + pj.numel()].reshape(*pj.shape, *pi.shape)
+                assert_close(got[j][i][k], want)

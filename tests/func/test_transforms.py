@@ -358,3 +358,23 @@ def test_torch_errors_about_f_name_the_call():
         batch_jacobian(lambda x: torch.nn.functional.dropout(x, 0.5).repeat(1, 3), x[:, None])
     with pytest.raises(GradkitError, match=r"jacobian\(<lambda>\): f: .* in place"):
         jacobian(lambda x: x.mul_(2), x.clone(), mode="reverse")
+
+
+@pytest.mark.parametrize("mode", ["auto", "reverse", "forward"])
+def test_complex_jacobians_are_refused_not_conjugated_by_mode(mode):
+    """f(z) = z^2 gave 2z in forward mode and its conjugate in reverse mode, and "auto" picked
+    the mode by the output's size: the sign of the imaginary part followed it, silently."""
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)
+    with pytest.raises(TypeError, match=r"argument 0: expected a real floating-point tensor"):
+        jacobian(lambda t: t * t, z, mode=mode)
+    with pytest.raises(TypeError, match=r"x: expected a real floating-point tensor"):
+        batch_jacobian(lambda t: t * t, z[:, None], mode=mode)
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"f's output: expected a real floating-point tensor"):
+        jacobian(lambda t: t * (1 + 1j), x, mode=mode)
+    real = jacobian(
+        lambda r: torch.view_as_real(torch.view_as_complex(r) ** 2),
+        torch.view_as_real(z),
+        mode=mode,
+    )
+    assert_close(real[0, 0, 0, 0], torch.tensor(2.0, dtype=torch.float64))  # d Re(z^2) / d Re z

@@ -206,7 +206,10 @@ def jacobian(
         differentiated element by element, forward mode working on a dense copy of it.
 
     Raises:
-        TypeError: ``f`` returns an integer or boolean tensor (no derivative to propagate).
+        TypeError: ``f`` returns an integer or boolean tensor (no derivative to propagate), or
+            an argument in ``argnums`` or the output is complex: reverse mode gives the
+            conjugate of forward mode's derivative (differentiate ``torch.view_as_real``
+            parts instead).
         GradkitError: ``f`` draws random numbers (dropout in training mode) in forward mode,
             which runs it once per tangent under ``vmap``; ``mode="reverse"`` runs it once.
 
@@ -226,12 +229,43 @@ def jacobian(
     check_bool(vectorize, call, "vectorize")
     nums = normalize_argnums(argnums, len(args), call)
     _check_differentiable(args, nums, call)
-    g = _checked_output(_substitute(f, args, nums), call)
+    for i in nums:
+        _refuse_complex(args[i], call, f"argument {i}")
+    g = _real_output(_checked_output(_substitute(f, args, nums), call), call)
     primals = tuple(args[i] for i in nums)
     key = _shape_key(f, args, nums)
     with _mutation_errors(call):
         blocks = _jacobian_blocks(g, f, key, primals, mode, chunk_size, vectorize, call)
     return blocks[0] if isinstance(argnums, int) else blocks
+
+
+def _refuse_complex(t: torch.Tensor, call: str, what: str) -> None:
+    """Refuse a complex argument or output: reverse mode gives the conjugate of forward
+    mode's derivative of a holomorphic function (a Jacobian whose sign of the imaginary part
+    followed the mode ``auto`` picked by size), and a function that is not holomorphic has
+    two Wirtinger derivatives, no one Jacobian. torch.func refuses them too."""
+    if t.is_complex():
+        raise TypeError(
+            message(
+                call,
+                what,
+                "a real floating-point tensor",
+                describe(t),
+                "differentiate the real and imaginary parts as real tensors "
+                "(torch.view_as_real(z), and torch.view_as_complex inside f), or take vector "
+                "products with gradkit.func.gradients, which follows TensorFlow's convention "
+                "for complex values",
+            )
+        )
+
+
+def _real_output(f: Callable[..., torch.Tensor], call: str) -> Callable[..., torch.Tensor]:
+    def g(*args: Any) -> torch.Tensor:
+        out = f(*args)
+        _refuse_complex(out, call, "f's output")
+        return out
+
+    return g
 
 
 def _jacobian_blocks(
@@ -281,7 +315,7 @@ def batch_jacobian(
     multiply-adds): its result must equal the one assembled from the per-example Jacobians.
     That holds for a row-wise function and fails, whatever rows are coupled, for one that mixes
     rows (couplings below ``sqrt(eps)`` of the largest entry are not seen). Skipped inside
-    ``torch.func`` transforms and for complex values.
+    ``torch.func`` transforms. Complex ``x`` or outputs are refused, as by :func:`jacobian`.
 
     Args:
         f: function from ``x`` of shape ``[b, *X]`` to an output of shape ``[b, *O]``.
@@ -327,8 +361,9 @@ def batch_jacobian(
                 "pass x of shape [batch, ...] with batch >= 1",
             )
         )
+    _refuse_complex(x, call, "x")
     with _mutation_errors(call):
-        out, vjp_fn = _vjp(_checked_output(f, call), x)
+        out, vjp_fn = _vjp(_real_output(_checked_output(f, call), call), x)
     if out.dim() == 0 or out.shape[0] != x.shape[0]:
         raise ValueError(
             message(

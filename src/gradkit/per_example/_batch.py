@@ -517,7 +517,9 @@ def row_order(
 def _unsorts(node: Any, dim: int, rank: int | None, model: ModelCall) -> bool:
     """Whether ``node`` (an ``index_select``) selects along ``dim`` by the ``unsorted_indices``
     of a packed sequence given to a tracked call: ``pad_packed_sequence`` restoring the
-    examples' order of rows it unpacked in the packed sequence's sorted order."""
+    examples' order of rows it unpacked in the packed sequence's sorted order. (Such indices
+    applied by hand to rows already in the examples' order would be taken the same way: only
+    torch's unpacking and its RNNs' final states select by them.)"""
     index = getattr(node, "_saved_index", None)
     if not model.unsorts or index is None or _saved_dims(node, rank) != (dim,):
         return False
