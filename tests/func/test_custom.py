@@ -254,3 +254,24 @@ def test_keyword_arguments_are_passed_through_and_not_differentiated():
         scaled(x, shift=shift)
     with torch.no_grad():  # nothing is differentiated: any tensor may go by keyword
         torch.testing.assert_close(scaled(x, shift=shift), x * 2 + 1)
+
+
+def test_hvp_in_forward_over_reverse_through_a_custom_gradient_names_the_fix():
+    """Under vmap, hvp runs forward over reverse, which a custom_gradient cannot: torch's bare
+    NotImplementedError named neither the call nor the way out."""
+    from gradkit import GradkitError
+    from gradkit.func import hvp
+
+    @custom_gradient
+    def softplus(x):
+        return torch.nn.functional.softplus(x), lambda dy: dy * torch.sigmoid(x)
+
+    x = torch.randn(3, dtype=torch.float64)
+    eye = torch.eye(3, dtype=torch.float64)
+    with pytest.raises(GradkitError, match=r"hvp\(.*method='reverse_over_reverse'"):
+        torch.func.vmap(lambda v: hvp(lambda t: softplus(t).sum(), x, v)[1])(eye)
+    with pytest.raises(GradkitError, match="forward over reverse: asked for"):
+        hvp(lambda t: softplus(t).sum(), x, eye[0], method="forward_over_reverse")
+    rows = [hvp(lambda t: softplus(t).sum(), x, v, method="reverse_over_reverse")[1] for v in eye]
+    s = torch.sigmoid(x)
+    torch.testing.assert_close(torch.stack(rows), torch.diag(s * (1 - s)))

@@ -260,12 +260,19 @@ SUM_LOSSES = {
     "cross_entropy": lambda o: F.cross_entropy(o, labels(), reduction="sum"),
     "mse": lambda o: F.mse_loss(o, torch.zeros_like(o), reduction="sum"),
     "none_then_sum": lambda o: F.cross_entropy(o, labels(), reduction="none").sum(),
+    # the terms reduced within each example first (a mean over features), then summed
+    "none_row_mean_then_sum": lambda o: F.mse_loss(o, 0 * o, reduction="none").mean(1).sum(),
     "sum_plus_regularizer": lambda o: F.cross_entropy(o, labels(), reduction="sum") + 0.1 * o.sum(),
 }
 MEAN_LOSSES = {
     "cross_entropy": lambda o: F.cross_entropy(o, labels()),
     "mse": lambda o: F.mse_loss(o, torch.zeros_like(o)),
     "none_then_mean": lambda o: F.cross_entropy(o, labels(), reduction="none").mean(),
+    # the statistics came out N**2 too small, silently, when declared sum
+    "none_row_sum_then_mean": lambda o: F.mse_loss(o, 0 * o, reduction="none").sum(1).mean(),
+    "none_rows_sum_then_mean": lambda o: (
+        F.mse_loss(o[:, None], 0 * o[:, None], reduction="none").sum((1, -1)).mean()
+    ),
     "bce_logits": lambda o: F.binary_cross_entropy_with_logits(o, torch.ones_like(o)),
 }
 
@@ -1017,3 +1024,19 @@ def test_graphs_kept_for_a_gradient_penalty_are_those_of_the_last_such_pass():
         assert len(stats._records) == 2
     assert stats._records == []
     assert stats["0.weight"].num_examples == 36
+
+
+def test_terms_reduced_within_each_example_then_averaged_are_a_mean():
+    """``.sum(1).mean()`` is a mean over the examples of their own sums: exact as declared."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss_fn(o: torch.Tensor, _: object) -> torch.Tensor:
+        return F.mse_loss(o, 0 * o, reduction="none").sum(1).mean()
+
+    with track(model, "variance") as stats:
+        loss_fn(model(x), None).backward()
+    ref = per_example_grads(model, loss_fn, x, None)
+    for name, g in ref.items():
+        assert_close(stats[name].variance, g.var(0, unbiased=False))

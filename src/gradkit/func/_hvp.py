@@ -115,7 +115,25 @@ def hvp(
         _check_scalar(value, call)
         _check_floating_output(value, call)
         load_decompositions()
-        hv = torch.func.jvp(grad_f, tuple(_without_overlap(p) for p in primals), vs)[1]
+        try:
+            hv = torch.func.jvp(grad_f, tuple(_without_overlap(p) for p in primals), vs)[1]
+        except NotImplementedError as err:  # an autograd.Function without a forward-mode rule
+            raise GradkitError(
+                message(
+                    call,
+                    "f",
+                    "operations with a forward-mode derivative (forward over reverse: "
+                    + (
+                        "asked for"
+                        if method == "forward_over_reverse"
+                        else "the method inside torch.func transforms such as vmap"
+                    )
+                    + ")",
+                    f"one without (a custom_gradient or torch.autograd.Function): {err}",
+                    "call hvp outside the transform with method='reverse_over_reverse' (a loop "
+                    "over the vectors instead of vmap), or give the function a jvp rule",
+                )
+            ) from err
         res = list(hv)
     else:
         with torch.enable_grad():

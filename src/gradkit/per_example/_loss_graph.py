@@ -209,6 +209,21 @@ _CHAINS: list[tuple[str, Callable[[Any], bool], bool]] = [
 ]
 
 
+def _per_row(node: Any) -> Any:
+    """Below sums and means over dimensions other than 0 (``.sum(1)``, ``.mean((1, 2))``: a
+    loss's terms reduced within each row), the node they reduce; None where there are none, or
+    one reduces dimension 0 too."""
+    start = node
+    while _name(node) in ("SumBackward1", "MeanBackward1"):
+        rank, dims = len(_sizes(node)), getattr(node, "_saved_dim", None)
+        if not rank or not dims or len(_kids(node)) != 1:
+            return None
+        if any((d - 2**64 if d >= 2**63 else d) % rank == 0 for d in dims):
+            return None  # a reduction over the rows too
+        (node,) = _kids(node)
+    return None if node is start else node
+
+
 def _chain(node: Any, kind: str) -> LossMatch | None:
     """A full ``mean()``/``sum()`` (``node``) of the per-element terms of a torch loss."""
     sizes = _sizes(node)
@@ -216,6 +231,14 @@ def _chain(node: Any, kind: str) -> LossMatch | None:
     (body,) = _kids(node)
     if body is not None and getattr(body, "_saved_reduction", None) == 0:
         return LossMatch(f"{_name(body)} (reduction='none') then {_name(node)}", kind, rows)
+    terms = _per_row(body)
+    if terms is not None and getattr(terms, "_saved_reduction", None) == 0:
+        # .sum(1).mean(): the terms reduced within each row first; the rows' reduction decides
+        return LossMatch(
+            f"{_name(terms)} (reduction='none'), reduced within each row, then {_name(node)}",
+            kind,
+            rows,
+        )
     for fn, matches, as_sum in _CHAINS:
         if (kind == "mean" or as_sum) and matches(body):
             label = f"{_name(node)} of {_name(body)} (F.{fn}(..., reduction='{kind}'))"
