@@ -44,6 +44,13 @@ class Reordered(nn.Module):
             return self.b(h[perm])[inverse]
         if self.how == "index_select":
             return self.b(h.index_select(0, perm)).index_select(0, inverse)
+        if self.how == "cat":  # the halves swapped by slices (a roll), then back
+            return self.b(torch.cat([h[n // 2 :], h[: n // 2]])).roll(n // 2, 0)
+        if self.how == "unbind_stack":  # reversed by unbind and stack, then back
+            return self.b(torch.stack(h.unbind(0)[::-1])).flip(0)
+        if self.how == "cat_restored":  # swapped and swapped back before b
+            s = torch.cat([h[1:], h[:1]])
+            return self.b(torch.cat([s[-1:], s[:-1]]))
         if self.how == "restored":  # reordered and restored before b: in order
             return self.b(h[perm].flip(0).flip(0)[inverse])
         if self.how == "identity":  # an index that keeps the order
@@ -60,7 +67,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N, 3, dtype=D, generator=gen), torch.randn(N, 2, dtype=D, generator=gen)
 
 
-@pytest.mark.parametrize("how", ["flip", "roll", "index", "index_select"])
+@pytest.mark.parametrize("how", ["flip", "roll", "index", "index_select", "cat", "unbind_stack"])
 def test_per_example_results_of_a_layer_on_reordered_rows_are_refused(how: str) -> None:
     torch.manual_seed(0)
     model = Reordered(how).to(D)
@@ -81,7 +88,7 @@ def test_per_example_results_of_a_layer_on_reordered_rows_are_refused(how: str) 
             assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("how", ["restored", "identity"])
+@pytest.mark.parametrize("how", ["restored", "identity", "cat_restored"])
 def test_rows_in_order_again_are_exact(how: str) -> None:
     torch.manual_seed(0)
     model = Reordered(how).to(D)

@@ -491,6 +491,12 @@ def row_order(
         if op == "IndexSelect" and _unsorts(node, d, rank, model):
             ends.append(order)  # rows of the packed (sorted) order, unsorted: the examples
             continue
+        if op in ("Cat", "Stack"):  # rows of one tensor spliced back together (or not)
+            spliced = _spliced_rows(node, op, d, n, rank, device)
+            if spliced is not None:
+                source, rows = spliced
+                stack.append((source, _compose(rows, order), d, False))
+                continue
         rows = _reordered_rows(node, op, d, n, rank, order, device)
         if rows is not None:
             if rows is not True:
@@ -512,6 +518,49 @@ def row_order(
     if not moved:
         return None
     return moved[0] if len(moved) == 1 else True
+
+
+def _spliced_rows(
+    node: Any, op: str, dim: int, n: int, rank: int | None, device: torch.device
+) -> tuple[Any, torch.Tensor] | None:
+    """For a ``cat`` along ``dim`` of slices of one tensor along it (``torch.cat([h[k:],
+    h[:k]])``), or a ``stack`` along it of one tensor's ``unbind`` along it: that tensor's node
+    and the order of its ``n`` rows that the output holds; None for any other (the walk trusts
+    what lies beyond, as before)."""
+    if _saved_dims(node, rank) != (dim,):
+        return None
+    edges = list(node.next_functions)
+    if op == "Stack":  # the outputs of one unbind, by output index
+        source = edges[0][0] if edges else None
+        if source is None or _op(source) != "Unbind" or len(edges) != n:
+            return None
+        if any(e[0] is not source for e in edges) or _saved_dims(source, rank) != (dim,):
+            return None
+        return source.next_functions[0][0], torch.tensor([k for _, k in edges], device=device)
+    parts = []
+    first = None
+    for part, _ in edges:
+        if part is None or _op(part) != "Slice":
+            return None
+        sizes = tuple(int(s) for s in getattr(part, "_saved_self_sym_sizes", ()))
+        if len(sizes) <= dim or sizes[dim] != n or _saved_dims(part, len(sizes)) != (dim,):
+            return None
+        below = part.next_functions[0]
+        if first is None:
+            first = below
+        elif below != first:
+            return None
+        # negative bounds are kept as unsigned 64-bit integers (-1 as 2**64 - 1)
+        start, stop, step = (
+            v - 2**64 if v >= 2**63 else v
+            for v in (part._saved_start, part._saved_end, part._saved_step)
+        )
+        start = max(start + n, 0) if start < 0 else start
+        stop = max(stop + n, 0) if stop < 0 else stop
+        parts.append(torch.arange(min(start, n), min(stop, n), step, device=device))
+    if first is None or sum(len(p) for p in parts) != n:
+        return None
+    return first[0], torch.cat(parts)
 
 
 def _unsorts(node: Any, dim: int, rank: int | None, model: ModelCall) -> bool:
@@ -563,9 +612,9 @@ def _child_dim(node: Any, op: str, d: int, rank: int | None) -> int | None:
 
 _MOVES_DIM = frozenset({"Select", "Squeeze", "Unsqueeze", "Slice"})
 # operations whose dimensions the walk reads (a negative one needs the rank)
-_NEEDS_RANK = frozenset({"Flip", "Roll", "IndexSelect", "Gather", "Sort", "Topk", "Index"}) | (
-    _MOVES_DIM
-)
+_NEEDS_RANK = frozenset(
+    {"Flip", "Roll", "IndexSelect", "Gather", "Sort", "Topk", "Index", "Cat", "Stack"}
+) | (_MOVES_DIM)
 
 
 def _reordered_rows(
