@@ -163,13 +163,19 @@ class PowerSums:
         """Zeros of ``shape``, in the statistics' dtype, on the parameter's device."""
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def storage(self, p: int) -> torch.Tensor | None:
-        """Storage for the first sum of ``g**p``, shaped like the parameter, reused from an
-        earlier block's (see :mod:`._buffers`), or None: a fresh tensor (the sum exists and
-        later values add into it, or nothing is pooled: off the CPU, a small parameter)."""
-        if p in self.sums or self.owner is None or self.owner.shape != self.shape:
+    def pooled(self, kind: str) -> torch.Tensor | None:
+        """Storage shaped like the parameter for ``kind`` (a sum, a statistic read), reused
+        from an earlier block's when nothing holds it (see :mod:`._buffers`), or None: a fresh
+        tensor (nothing is pooled off the CPU or for a small parameter, nor where the parameter
+        was given another shape since)."""
+        if self.owner is None or self.owner.shape != self.shape:
             return None
-        return result_buffer(self.owner, self.dtype, f"sum{p}")
+        return result_buffer(self.owner, self.dtype, kind)
+
+    def storage(self, p: int) -> torch.Tensor | None:
+        """Storage for the first sum of ``g**p`` (:meth:`pooled`), or None: the sum exists
+        and later values add into it."""
+        return None if p in self.sums else self.pooled(f"sum{p}")
 
     def add_sum(
         self, p: int, value: torch.Tensor, alpha: float = 1.0, *, owned: bool = False
@@ -376,12 +382,8 @@ class ParamStats:
         return self._acc.sums[p]
 
     def _out(self, kind: str) -> torch.Tensor | None:
-        """Storage for a result, reused from an earlier block's when nothing holds it (see
-        :mod:`._buffers`), or None: a fresh tensor."""
-        acc = self._acc
-        if acc.owner is None or acc.owner.shape != acc.shape:  # the parameter was reshaped since
-            return None
-        return result_buffer(acc.owner, acc.dtype, kind)
+        """Storage for a result (:meth:`PowerSums.pooled`), or None: a fresh tensor."""
+        return self._acc.pooled(kind)
 
     def _average(self, p: int, what: str, ask: str) -> torch.Tensor:
         """``(1/N) sum_i g_i**p`` as a tensor of the caller's."""
