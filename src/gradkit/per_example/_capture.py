@@ -134,7 +134,6 @@ def check_pass(
     params: Mapping[int, torch.Tensor],
     roots: list[torch.Tensor],
     *,
-    through_gradients: bool = False,
     kept: Collection[int] = (),
     unchecked: Mapping[int, str] | None = None,
 ) -> frozenset[int]:
@@ -148,10 +147,10 @@ def check_pass(
     differentiates a layer split into another number of examples, layers that disagree on
     ``N``, a loss that certainly contradicts ``loss_reduction`` (None: any loss, read as a sum
     of per-example shares), a parameter of ``checked`` (``id -> name``) used outside its
-    layer's calls (see :mod:`._outside`; ``through_gradients``: an earlier pass built a graph
-    of the gradient, whose nodes may use a parameter through its layer's own intermediate
-    nodes). Refused too: a pass through calls whose graph a pass with ``create_graph`` kept
-    (``kept``: their records' ids) that computes the gradient of a parameter of ``unchecked``
+    layer's calls (see :mod:`._outside`; ``kept``: the ids of the records whose graph an
+    earlier pass with ``create_graph`` kept, a graph of the gradient whose nodes may use a
+    parameter through its layer's own intermediate nodes). Refused too: a pass through those
+    calls that computes the gradient of a parameter of ``unchecked``
     (``id -> name``: layers read by the vmap fallback or a user's rule, whose uses inside the
     graph of a gradient cannot be followed). ``roots``: the pass's
     (:func:`._layout.backward_roots`). Called at the pass's
@@ -198,7 +197,7 @@ def check_pass(
             if pid in expected:
                 expected[pid] += 1
     calls = {nd for r in counted for nd in r.nodes}
-    check_outside_uses(nodes, expected, checked, calls, found, shared=through_gradients)
+    check_outside_uses(nodes, expected, checked, calls, found, shared=bool(kept))
     return left_out
 
 

@@ -870,7 +870,6 @@ class Tracker(TrackerResults):
             self._checked,
             self._tracked,
             roots,
-            through_gradients=bool(self._kept),
             kept=self._kept,
             unchecked=self._unchecked,
         )
