@@ -275,3 +275,16 @@ def test_hvp_in_forward_over_reverse_through_a_custom_gradient_names_the_fix():
     rows = [hvp(lambda t: softplus(t).sum(), x, v, method="reverse_over_reverse")[1] for v in eye]
     s = torch.sigmoid(x)
     torch.testing.assert_close(torch.stack(rows), torch.diag(s * (1 - s)))
+
+
+def test_a_gradient_shaped_unlike_its_argument_is_refused():
+    """torch's autograd sums a larger gradient down to the input's shape: a grad_fn returning
+    ones(4, 2) for an input of shape (2,) gave [4., 4.] without a word."""
+
+    @custom_gradient
+    def bad(x):
+        return x * 2, lambda dy: torch.ones(4, *x.shape)
+
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"gradient 0 of grad_fn\(\*dys\).*shape \(2,\)"):
+        bad(x).sum().backward()

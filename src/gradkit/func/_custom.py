@@ -97,7 +97,8 @@ def custom_gradient(f: Callable[P, tuple[T, Callable[..., Any]]]) -> Callable[P,
     Raises:
         TypeError: ``f`` uses captured tensors that require grad and ``grad_fn`` has no
             ``variables`` keyword (their gradient would be lost); the message names them.
-        ValueError: ``grad_fn`` returns the wrong number of gradients.
+        ValueError: ``grad_fn`` returns the wrong number of gradients, or one shaped unlike
+            its argument (torch would sum a larger one down to the argument's shape).
 
     Examples:
         TensorFlow's numerically stable ``log(1 + exp(x))``: plain autograd gives ``nan`` at
@@ -184,6 +185,7 @@ def custom_gradient(f: Callable[P, tuple[T, Callable[..., Any]]]) -> Callable[P,
             call = _slots()[-1]
             ctx.grad_fn = call.grad_fn
             ctx.tensor_mask = [isinstance(a, torch.Tensor) for a in inputs[: call.nargs]]
+            ctx.shapes = [a.shape for a in inputs[: call.nargs] if isinstance(a, torch.Tensor)]
             ctx.n_candidates = len(call.candidates)
             ctx.used = list(call.used)
             ctx.variables = [call.candidates[k] for k in call.used]
@@ -304,6 +306,18 @@ def _backward(ctx: Any, dys: tuple[Any, ...], call_name: str) -> tuple[Any, ...]
                 "arguments are not differentiated, pass a tensor by position to differentiate it)",
             )
         )
+    for i, (g, shape) in enumerate(zip(grads, ctx.shapes, strict=True)):
+        # autograd would sum a larger gradient down to the input's shape without a word
+        if g is not None and (not isinstance(g, torch.Tensor) or g.shape != shape):
+            raise ValueError(
+                message(
+                    call_name,
+                    f"gradient {i} of grad_fn(*dys)",
+                    f"a tensor of shape {tuple(shape)} (that of positional tensor argument {i})",
+                    describe(g),
+                    "shape each gradient like its argument (None for none)",
+                )
+            )
     it = iter(grads)
     extra: list[Any] = [None] * ctx.n_candidates
     for k, g in zip(ctx.used, var_grads, strict=True):
