@@ -1040,3 +1040,17 @@ def test_terms_reduced_within_each_example_then_averaged_are_a_mean():
     ref = per_example_grads(model, loss_fn, x, None)
     for name, g in ref.items():
         assert_close(stats[name].variance, g.var(0, unbiased=False))
+
+
+@pytest.mark.parametrize("declared", ["mean", "sum"])
+def test_one_example_s_mean_is_its_sum_either_reading_passes(declared):
+    """A batch of one: its mean loss is its sum, and either reading gives its gradient."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4).double()
+    x = torch.randn(1, 3, dtype=torch.float64)
+    losses = [MEAN_LOSSES["mse"], SUM_LOSSES["mse"]]
+    for loss in losses:
+        model.zero_grad()
+        with track(model, "batch_grad", loss_reduction=declared) as stats:
+            loss(model(x)).backward()
+        assert_close(stats["weight"].batch_grad[0], model.weight.grad)

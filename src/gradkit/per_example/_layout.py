@@ -421,9 +421,11 @@ def check_loss_reduction(
     through; so does a class-weighted mean read as a sum (``l_i = w[y_i] loss_i /
     sum(w[y])``), which is refused as a mean: its shares are not ``1/N``."""
     roots = backward_roots() if roots is None else roots
+    if n == 1:  # a mean over one example is its sum: either reading gives its gradient
+        return
     for found in loss_reductions(roots):
-        if found.weighted:  # read as a sum, l_i = w[y_i] * loss_i / sum(w[y]); N = 1: share 1
-            passes = declared == "sum" or n == 1
+        if found.weighted:  # read as a sum, l_i = w[y_i] * loss_i / sum(w[y])
+            passes = declared == "sum"
         else:  # a mean over other rows than the examples (tokens) read as a sum passes
             passes = found.reduction == declared or (
                 found.reduction == "mean" and (n is None or found.rows != n)
