@@ -378,3 +378,23 @@ def test_complex_jacobians_are_refused_not_conjugated_by_mode(mode):
         mode=mode,
     )
     assert_close(real[0, 0, 0, 0], torch.tensor(2.0, dtype=torch.float64))  # d Re(z^2) / d Re z
+
+
+@pytest.mark.parametrize("fn", ["jacobian", "batch_jacobian"])
+def test_a_jacobian_s_dtype_is_the_same_in_every_mode(fn):
+    """A float32 input times a float64 constant: reverse mode gave float32, forward mode
+    float64, and "auto" picks by the output's size. Every mode gives the wider dtype."""
+    const = torch.ones(3, dtype=torch.float64)
+    x = torch.randn(2, 3)
+    for f in (
+        lambda t: t * const,
+        lambda t: (t * const).repeat(1, 2),
+        lambda t: t.double().float(),
+    ):
+        got = [
+            jacobian(f, x, mode=m) if fn == "jacobian" else batch_jacobian(f, x, mode=m)
+            for m in ("reverse", "forward", "auto")
+        ]
+        assert {g.dtype for g in got} == {torch.promote_types(x.dtype, f(x).dtype)}
+        assert_close(got[0], got[1])
+        assert_close(got[0], got[2])

@@ -52,10 +52,13 @@ def check_rows_independent(
     gen = torch.Generator().manual_seed(0)
     c = torch.randn(out.shape, generator=gen, dtype=out.dtype, device="cpu").to(out.device)
     (actual,) = vjp_fn(c)
-    J = blocks.detach().reshape(b, out[0].numel(), x[0].numel())
-    cf = c.reshape(b, -1)
+    # f may change the dtype (x float32, out float64): compared in the wider one, within the
+    # narrower one's precision
+    wide = torch.promote_types(torch.promote_types(out.dtype, x.dtype), blocks.dtype)
+    J = blocks.detach().reshape(b, out[0].numel(), x[0].numel()).to(wide)
+    cf = c.reshape(b, -1).to(wide)
     predicted = torch.einsum("bo,bon->bn", cf, J)
-    actual = actual.detach().reshape(b, -1)
+    actual = actual.detach().reshape(b, -1).to(wide)
     bound = torch.einsum("bo,bon->bn", cf.abs(), J.abs())
     diff = (actual - predicted).abs().amax(1)
     parts = torch.stack([bound.max(), actual.abs().max(), predicted.abs().max(), diff.max()])
@@ -64,7 +67,7 @@ def check_rows_independent(
     scale = max(scales)
     if not all(map(math.isfinite, values)) or scale == 0.0:
         return
-    tol = torch.finfo(out.dtype).eps ** 0.5 * scale
+    tol = max(torch.finfo(out.dtype).eps, torch.finfo(x.dtype).eps) ** 0.5 * scale
     if worst <= tol:
         return
     rows = (diff > tol).nonzero().flatten().tolist()

@@ -64,7 +64,11 @@ def _reverse_rows(
     else:
         per_row = [vjp_fn(b) for b in basis]
         rows = tuple(torch.stack([r[k] for r in per_row]) for k in range(len(primals)))
-    return tuple(r.reshape((*out.shape, *p.shape)) for r, p in zip(rows, primals, strict=True))
+    # in the wider of the argument's and the output's dtypes, as forward mode gives it
+    return tuple(
+        r.reshape((*out.shape, *p.shape)).to(torch.promote_types(r.dtype, out.dtype))
+        for r, p in zip(rows, primals, strict=True)
+    )
 
 
 def _forward_cols(
@@ -96,8 +100,9 @@ def _forward_cols(
     blocks = []
     offset = 0
     for p, s in zip(primals, sizes, strict=True):
-        block = cols[offset : offset + s].movedim(0, -1)
-        blocks.append(block.reshape((*out_shape, *p.shape)))
+        block = cols[offset : offset + s].movedim(0, -1).reshape((*out_shape, *p.shape))
+        # in the wider of the argument's and the output's dtypes, as reverse mode gives it
+        blocks.append(block.to(torch.promote_types(block.dtype, p.dtype)))
         offset += s
     return tuple(blocks)
 
@@ -201,9 +206,10 @@ def jacobian(
             operations that ``torch.func.vmap`` cannot batch.
 
     Returns:
-        A tensor of shape ``O + X`` (or a tuple of them for a tuple ``argnums``). Every mode
-        gives the same Jacobian; an argument whose elements share memory (``expand``) is
-        differentiated element by element, forward mode working on a dense copy of it.
+        A tensor of shape ``O + X`` (or a tuple of them for a tuple ``argnums``), in the wider
+        of the argument's and the output's dtypes. Every mode gives the same Jacobian; an
+        argument whose elements share memory (``expand``) is differentiated element by
+        element, forward mode working on a dense copy of it.
 
     Raises:
         TypeError: ``f`` returns an integer or boolean tensor (no derivative to propagate), or
@@ -399,6 +405,7 @@ def batch_jacobian(
                 f, x, mode="reverse", chunk_size=chunk_size, check_independence=check_independence
             )
         blocks = cols.reshape(n, b, m).permute(1, 2, 0).reshape(b, *o_shape, *x_shape)
-    if check_independence:
+    if check_independence:  # in the products' own precision
         check_rows_independent(vjp_fn, x, out, blocks, call)
-    return blocks
+    # in the wider of x's and the output's dtypes, whichever mode computed it
+    return blocks.to(torch.promote_types(x.dtype, out.dtype))
