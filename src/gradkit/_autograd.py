@@ -21,7 +21,15 @@ __all__ = [
     "second_grads",
     "second_order_message",
     "second_order_suspect",
+    "signed",
 ]
+
+
+def signed(value: Any) -> int:
+    """An integer a graph node saved (a dimension, a slice bound): a negative one comes back
+    as its unsigned 64-bit form."""
+    value = int(value)
+    return value - 2**64 if value >= 2**63 else value
 
 
 def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:

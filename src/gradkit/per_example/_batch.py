@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from gradkit._autograd import signed
 from gradkit._errors import GradkitError, message
 from gradkit.per_example._flat import flatten, unflatten
 from gradkit.per_example._flat import leaves as flat_leaves
@@ -550,11 +551,7 @@ def _spliced_rows(
             first = below
         elif below != first:
             return None
-        # negative bounds are kept as unsigned 64-bit integers (-1 as 2**64 - 1)
-        start, stop, step = (
-            v - 2**64 if v >= 2**63 else v
-            for v in (part._saved_start, part._saved_end, part._saved_step)
-        )
+        start, stop, step = map(signed, (part._saved_start, part._saved_end, part._saved_step))
         start = max(start + n, 0) if start < 0 else start
         stop = max(stop + n, 0) if stop < 0 else stop
         parts.append(torch.arange(min(start, n), min(stop, n), step, device=device))
@@ -688,7 +685,7 @@ def _saved_dims_named(node: Any, name: str, rank: int | None) -> tuple[int, ...]
     if saved is None:
         return None
     out = []
-    for d in map(_signed, saved if isinstance(saved, tuple) else (saved,)):
+    for d in map(signed, saved if isinstance(saved, tuple) else (saved,)):
         out.append(d % rank if rank and d < 0 else d)
     return tuple(out)
 
@@ -744,12 +741,6 @@ _SAME_SHAPE = frozenset(
 )  # fmt: skip
 
 
-def _signed(value: Any) -> int:
-    """A dimension a node saved (a negative one comes back as its unsigned 64-bit form)."""
-    value = int(value)
-    return value - 2**64 if value >= 2**63 else value
-
-
 def moved_batch(t: torch.Tensor, d: int, n: int, model: ModelCall | None) -> tuple[int, str] | None:
     """The dimension of ``t`` (an input of a layer, read with its examples in dimension ``d``)
     that provably holds the examples where it is not ``d``, with where that was found; None
@@ -787,14 +778,14 @@ def _trace(
             return (found[0], f"the output of {label}{via}") if found else None
         name = type(node).__name__
         if name == "TransposeBackward0":  # y = x.transpose(a, b): y's dim k is x's swapped
-            a, b = (_signed(v) % rank for v in (node._saved_dim0, node._saved_dim1))
+            a, b = (signed(v) % rank for v in (node._saved_dim0, node._saved_dim1))
             where = [b if k == a else a if k == b else k for k in where]
             through = (*through, "a transpose")
         elif name == "TBackward0":
             where = [1 - k for k in where]
             through = (*through, "a transpose")
         elif name == "PermuteBackward0":  # y = x.permute(p): y's dim k is x's dim p[k]
-            order = [_signed(v) % rank for v in node._saved_dims]
+            order = [signed(v) % rank for v in node._saved_dims]
             where = [order[k] for k in where]
             through = (*through, "a permute")
         elif name in _ELEMENTWISE:  # every input that leads to a known output must agree

@@ -33,6 +33,8 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from gradkit._autograd import signed
+
 __all__ = ["LossMatch", "match_loss"]
 
 _REDUCTIONS = {1: "mean", 2: "sum"}  # at::Reduction: 0 none, 1 mean, 2 sum
@@ -218,7 +220,7 @@ def _per_row(node: Any) -> Any:
         rank, dims = len(_sizes(node)), getattr(node, "_saved_dim", None)
         if not rank or not dims or len(_kids(node)) != 1:
             return None
-        if any((d - 2**64 if d >= 2**63 else d) % rank == 0 for d in dims):
+        if any(signed(d) % rank == 0 for d in dims):
             return None  # a reduction over the rows too
         (node,) = _kids(node)
     return None if node is start else node
