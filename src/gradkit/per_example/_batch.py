@@ -89,6 +89,9 @@ class ModelCall:
     # pad_packed_sequence's index_select by them puts rows of the packed (sorted) order back in
     # the examples' order (see row_order)
     unsorts: set[tuple[int, int]] = field(default_factory=set)
+    # operations found mixing the examples between tracked calls (see row_order): (what it is,
+    # the tracked calls whose outputs it mixes)
+    mixed: list[tuple[str, list[str]]] = field(default_factory=list)
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -422,6 +425,97 @@ _ALONG_DIMS = frozenset(
     ]
 )
 _RESHAPE_OPS = frozenset({"View", "UnsafeView", "ReshapeAlias", "Expand"})
+# operations that keep their input's shape and combine its entries along the dimensions they
+# were given (all of them where none is saved): along the examples', every row of the result
+# depends on every example
+_MIXES_ALONG = frozenset(["Cumprod", "Cumsum", "Logcumsumexp", "LogSoftmax", "Softmax"])
+_BATCH_NORMS = frozenset(["NativeBatchNorm", "CudnnBatchNorm", "MiopenBatchNorm"])
+_MIX_WORDS = {
+    "Cumprod": "a cumulative product",
+    "Cumsum": "a cumulative sum",
+    "Logcumsumexp": "a cumulative logsumexp",
+    "LogSoftmax": "a log-softmax",
+    "Softmax": "a softmax",
+}
+_MIX_CHECKED = _MIXES_ALONG | _BATCH_NORMS | frozenset(_ROWS_OF) | {"Expand"}
+_REACH_LIMIT = 256
+"""Nodes :func:`_reaches_examples` visits at most (the graph of a value broadcast onto the
+rows: a few nodes back to the tracked calls, or a weight's own)."""
+
+
+def _reaches_examples(node: Any, model: ModelCall) -> list[str]:
+    """The tracked calls of ``model`` (their "name (Class)") whose outputs the graph of
+    ``node`` reaches, up to :data:`_REACH_LIMIT` nodes: empty for a weight, a constant or a
+    value computed from the model's inputs alone."""
+    found: dict[str, None] = {}
+    seen: set[Any] = set()
+    stack = [node]
+    while stack and len(seen) < _REACH_LIMIT:
+        nd = stack.pop()
+        if nd is None or nd in seen:
+            continue
+        seen.add(nd)
+        hit = model.dims.get(nd)
+        if hit is not None:
+            found[hit[1]] = None
+            continue
+        stack.extend(nxt for nxt, _ in nd.next_functions)
+    return list(found)
+
+
+def _mixing(node: Any, op: str, d: int, rank: int | None, model: ModelCall) -> None:
+    """Record in ``model.mixed`` an operation on the rows of a tracked call's input that
+    combines the examples (held in dimension ``d`` of its output, of ``rank`` dimensions):
+
+    * one that keeps the shape and acts along the examples' dimension (a softmax or a
+      cumulative sum over the batch, a batch normalization in training mode);
+    * a product whose other operands are computed from the examples (``h @ h.T @ h``: row
+      ``i`` sums over every example);
+    * an ``expand`` along the examples' dimension of a value computed from them
+      (``F.normalize(h, dim=0)`` expands the batch's norms).
+
+    Their per-example gradients are not the examples' own: an example's loss depends on the
+    others' activations, which the layers before it see in their rows."""
+    what = None
+    if op in _BATCH_NORMS:
+        if d == 0 and getattr(node, "_saved_training", False):
+            what = "a batch normalization in training mode (F.batch_norm)"
+    elif op in _MIXES_ALONG:
+        dims = _saved_dims(node, rank)
+        if dims is not None and (rank is not None or all(s >= 0 for s in dims)) and d in dims:
+            what = f"{_MIX_WORDS[op]} over the examples"
+    elif op == "Expand":
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        if sizes is not None and rank is not None:
+            k = d - (rank - len(sizes))  # the input's dimension under the examples'
+            if k < 0 or sizes[k] == 1:  # one row for every example
+                _broadcast_mix(node.next_functions[0][0], model)
+        return
+    elif op in _ROWS_OF and d == 0:
+        others = [nxt for k, (nxt, _) in enumerate(node.next_functions) if k != _ROWS_OF[op]]
+        reached = [label for o in others for label in _reaches_examples(o, model)]
+        if reached:
+            model.mixed.append(("a matrix product that sums over the examples (h @ h.T)", reached))
+        return
+    if what is not None:
+        reached = _reaches_examples(node, model)
+        if reached:
+            model.mixed.append((what, reached))
+
+
+def _broadcast_mix(node: Any, model: ModelCall) -> None:
+    """Record in ``model.mixed`` a value broadcast onto a tracked call's input rows (fewer
+    rows than examples: a ``mean(0)``, a norm of the whole batch, one example's row
+    ``h[:1]``) that is computed from the examples."""
+    reached = _reaches_examples(node, model)
+    if reached:
+        model.mixed.append(
+            (
+                "a value computed across the examples and broadcast onto each example's row "
+                "(h - h.mean(0), h / h.norm(), h + h[:1])",
+                reached,
+            )
+        )
 
 
 Order = Any
@@ -452,6 +546,9 @@ def row_order(
             return model.row_orders.get(start)
         op = _op(start)
         nexts = start.next_functions
+        if op in _MIX_CHECKED:  # read where it acts; the walk goes on as before
+            shape = _output_shape(start)
+            _mixing(start, op, dim, len(shape) if shape is not None else None, model)
         if (op in _PER_ENTRY and len(nexts) == 1) or (op in _KEEP_ROWS and dim == 0):
             start = nexts[0][0]
         elif op in _ROWS_OF and dim == 0:
@@ -484,11 +581,17 @@ def row_order(
             batch_first = getattr(node, "_saved_batch_first", True)
             stack.append((nexts[0], order, 0 if batch_first else 1, False))
             continue
-        shape = _output_shape(node) if check or op in _NEEDS_RANK else None
+        shape = _output_shape(node) if check or op in _NEEDS_RANK or op in _MIX_CHECKED else None
         rank = len(shape) if shape is not None else None
         if shape is not None and (len(shape) <= d or shape[d] != n):
-            ends.append(order)  # not the examples' rows (a broadcast operand, a weight)
+            # not the examples' rows (a broadcast operand, a weight), unless computed from them;
+            # rows of several examples each (merged positions, [N * T, ...]) are trusted
+            if len(shape) <= d or shape[d] < n or shape[d] % n:
+                _broadcast_mix(node, model)
+            ends.append(order)
             continue
+        if op in _MIX_CHECKED:
+            _mixing(node, op, d, rank, model)
         if op == "IndexSelect" and _unsorts(node, d, rank, model):
             ends.append(order)  # rows of the packed (sorted) order, unsorted: the examples
             continue
@@ -1071,6 +1174,27 @@ def mismatch_error(problems: list[str]) -> GradkitError:
             "examples or sees them merged with other rows untraceably (examples times windows, "
             "patches or heads; [T, N, d] flattened to [T * N, d]) cannot be split: freeze its "
             "parameters (requires_grad_(False)) or register a rule for it",
+        )
+    )
+
+
+def mixed_error(label: str, mixed: list[tuple[str, list[str]]]) -> GradkitError:
+    """The error for a tracked call whose input rows mix the examples (see ``row_order``):
+    ``mixed`` holds what mixes them and the tracked calls whose outputs it mixes."""
+    what, layers = mixed[0]
+    named = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            f"the input of {label}",
+            "rows that each depend on one example (statistics beyond the mean need each "
+            "example's own gradient, and the layers before this one see the examples mixed)",
+            f"{what}, applied to the outputs of {named}",
+            "compute that step per example (statistics of the batch detached: h - "
+            "h.mean(0).detach(); GroupNorm or LayerNorm for a batch normalization: "
+            "gradkit.per_example.replace_batchnorm), or freeze the layers before it "
+            "(requires_grad_(False)) to track the rest; the mean alone (track(model, "
+            "'mean')) is exact whatever the model mixes",
         )
     )
 

@@ -91,6 +91,7 @@ from gradkit.per_example._batch import (
     counted_again_error,
     disagree_error,
     mismatch_error,
+    mixed_error,
     out_of_order,
     row_order,
     split_call,
@@ -383,6 +384,9 @@ class Tracker(TrackerResults):
         # per-example results are read in the examples' order: check the rows reach each layer
         # in that order (see _check_row_order)
         self._in_order = bool({"batch_grad", "batch_l2"} & self._want.quantities)
+        # statistics beyond the mean (whose sum over examples is p.grad, mixed or not) need
+        # each layer's input rows to be single examples' (see _check_row_order)
+        self._rows_walked = self._in_order or bool(self._want.powers)
         self._sizes: dict[str, int] = {}  # module -> batch size, in the current backward
         self._reached: set[int] = set()  # parameters reached in the current backward
         self._task: int | None = None  # the backward pass whose start was checked
@@ -577,7 +581,8 @@ class Tracker(TrackerResults):
                 self._model_calls[-1].merged[output.grad_fn] = call.positions
             elif call.mode == "batched" and self._model_calls:
                 # per-example results: the rows must be the examples, in their order
-                order = self._check_row_order(st, args, kwargs, layout) if self._in_order else None
+                walked = self._rows_walked
+                order = self._check_row_order(st, args, kwargs, layout) if walked else None
                 # where later layers' inputs come from (moved_batch): the examples' dimension
                 model_call = self._model_calls[-1]
                 for t, d in zip(leaves, call.out_dims, strict=False):
@@ -684,16 +689,19 @@ class Tracker(TrackerResults):
     ) -> Any:
         """The order in which a call's input rows hold the model's examples
         (:func:`._batch.row_order`; None: in order). Out of order, its parameters' per-example
-        results are refused when read (a flag, no host sync here)."""
+        results are refused when read (a flag, no host sync here). Rows that mix the examples
+        (an operation across the batch between tracked calls) are refused here, for every
+        statistic but the mean."""
         model = self._model_calls[-1]
         simple = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
         if simple and layout.inputs == [0]:  # the usual call: one input, examples first
-            order = row_order(args[0].grad_fn, 0, model, args[0].device)
-            if order is None:
-                return None
-            orders = [order]
+            orders = [row_order(args[0].grad_fn, 0, model, args[0].device)]
         else:
             orders = self._input_orders(args, kwargs, layout, model, simple)
+        if model.mixed:
+            raise mixed_error(st.label, model.mixed)
+        if not self._in_order:
+            return None
         moved = [o for o in orders if o is not None]
         order = None if not moved else (moved[0] if len(moved) == 1 else True)
         flag = out_of_order(order, model.n)
