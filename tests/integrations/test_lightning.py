@@ -157,3 +157,44 @@ def test_a_16_mixed_gradscaler_is_divided_out_of_the_statistics(tmp_path):
     for key in ("grad_norm", "grad_variance", "example_norm_q50", "noise_scale"):
         want = None if plain[key] is None else pytest.approx(plain[key], rel=1e-5)
         assert scaled[key] == want, key
+
+
+@pytest.mark.parametrize("examples", [18, 17, 20])
+def test_an_epochs_short_last_window_gives_the_examples_own_statistics(tmp_path, examples):
+    """Lightning divides each micro-batch's mean by accumulate_grad_batches (3) also in an
+    epoch's last window of fewer micro-batches ([4, 2] of 18 examples, [4, 1] of 17, [4, 4] of
+    20): read with the window's number of passes, the norms came out 2/3 of the examples' own
+    and the variance 4/9 (a one-example micro-batch made it 3x and 9x)."""
+    x, y = data()
+    x, y = x[:examples], y[:examples]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=B, shuffle=False
+    )
+    module = Module()
+    weights = []
+
+    class Keep(lightning.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % 3 == 0:
+                weights.append({k: v.clone() for k, v in pl_module.net.state_dict().items()})
+
+    monitor = GradientMonitorCallback(every=1)
+    trainer = lightning.Trainer(
+        max_epochs=1, accumulate_grad_batches=3, logger=False, callbacks=[monitor, Keep()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    record = monitor.monitor.records[-1]
+    first = 12  # the last window's examples: from the second window on
+    net = mlp()
+    net.load_state_dict(weights[-1])
+    params = list(net.parameters())
+    rows = []
+    for i in range(first, examples):
+        loss = nn.functional.cross_entropy(net(x[i : i + 1]), y[i : i + 1])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    g = torch.stack(rows)
+    assert record["examples"] == examples - first
+    assert record["grad_norm"] == pytest.approx(float(g.mean(0).norm()), rel=1e-9)
+    assert record["grad_variance"] == pytest.approx(float(g.var(0).sum()), rel=1e-9)

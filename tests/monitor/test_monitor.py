@@ -3,6 +3,7 @@ writers and its errors."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import warnings
@@ -311,6 +312,51 @@ def test_scale_to_grad_gives_the_examples_own_statistics_for_unequal_micro_batch
     with pytest.warns(UserWarning, match=mixes), mixed.step():
         nn.functional.cross_entropy(model(x[:6]), y[:6]).backward()
         nn.functional.cross_entropy(model(x[6:]), y[6:], reduction="sum").backward()
+
+
+@pytest.mark.parametrize("split", [(11,), (10,), (5, 10), (1,)])
+def test_a_micro_batch_of_one_example_goes_with_the_mean_passes(split):
+    """A micro-batch of one example (an epoch's remainder) has a loss whose mean is its sum:
+    read as a sum, it made the step "mixed" and every statistic came out times the step's
+    examples over the micro-batches (2.5x for 4 + 1 examples), the variance that squared. It
+    goes with the other passes, whichever kind they are; all passes of one row are read as
+    either."""
+    model, x, y = problem()
+    bounds = [0, *split, 12] if split != (1,) else list(range(13))
+    parts = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+    g = per_example(model, x, y)
+    want = reduced(g)
+    monitor = GradientMonitor(model, loss_reduction="sum", scale_to_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with monitor.step():
+            for part in parts:
+                loss = nn.functional.cross_entropy(model(x[part]), y[part])
+                (loss / len(parts)).backward()
+    (record,) = monitor.records
+    for key in ("grad_norm", "grad_variance", "noise_scale", "snr_median"):
+        assert record[key] == pytest.approx(want[key], rel=1e-9), (split, key)
+
+
+def test_divided_by_names_the_trainers_divisor():
+    """Lightning divides each micro-batch's mean by accumulate_grad_batches also in an
+    epoch's last window of fewer micro-batches: read with the number of passes, the statistics
+    came out that fraction of the examples' own (2/3 of the norms, 4/9 of the variance)."""
+    model, x, y = problem()
+    want = reduced(per_example(model, x, y))
+    monitor = GradientMonitor(model, loss_reduction="sum", scale_to_grad=True)
+    monitor.begin(0)
+    for part in (slice(0, 6), slice(6, 12)):  # two passes of a window of three
+        (nn.functional.cross_entropy(model(x[part]), y[part]) / 3).backward()
+    record = monitor.end(divided_by=3)
+    assert record is not None
+    for key in ("grad_norm", "grad_variance", "noise_scale", "snr_median"):
+        assert record[key] == pytest.approx(want[key], rel=1e-9), key
+    monitor.begin(1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"divided_by: expected an int >= 1, got 0"):
+        monitor.end(divided_by=0)
+    assert monitor.end() is not None  # the refused call left the step open
 
 
 def test_json_lines_are_strict_json_and_bad_paths_are_refused_at_once(tmp_path):

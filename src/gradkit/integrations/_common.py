@@ -80,12 +80,13 @@ class MonitorWindow:
             self.monitor.begin(step)
             self._open = True
 
-    def finish(self) -> dict[str, float] | None:
-        """Close the open step: its metrics (None when no step was open)."""
+    def finish(self, divided_by: int | None = None) -> dict[str, float] | None:
+        """Close the open step: its metrics (None when no step was open); ``divided_by``: as
+        :meth:`~gradkit.monitor.GradientMonitor.end`."""
         if not self._open or self.monitor is None:
             return None
         self._open = False
-        record = self.monitor.end()
+        record = self.monitor.end(divided_by=divided_by)
         return None if record is None else metrics(record, self.log_layers)
 
     def abort(self) -> None:

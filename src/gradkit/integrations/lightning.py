@@ -15,10 +15,11 @@ at the step it describes, and to ``writer`` when given. Other steps run without 
 Lightning divides the loss by ``accumulate_grad_batches`` and the loss is usually a mean over
 the micro-batch, so the monitor takes each example's share of the backpropagated loss
 (``loss_reduction="sum"``) scaled by the number of examples (``scale_to_grad=True``): the
-individual gradients' mean is the gradient in ``.grad`` before clipping, and the noise scale
+individual gradients' mean is the gradient in ``.grad`` before clipping (in windows of equal
+micro-batches; in others, the examples' own mean), and the noise scale
 and SNR are those of the examples' own losses (each micro-batch's mean divided by
-``accumulate_grad_batches`` is read as a mean: also for an epoch's short last micro-batch, see
-``docs/monitor.md``). Under
+``accumulate_grad_batches`` is read as a mean: also for an epoch's short last micro-batch, or
+its last window of fewer micro-batches, see ``docs/monitor.md``). Under
 ``precision="16-mixed"`` the loss is also multiplied by the precision plugin's ``GradScaler``:
 its scale, read at each tracked step, is divided out (``loss_scale``).
 """
@@ -80,7 +81,9 @@ class GradientMonitorCallback(Callback):
             self.window.start(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        numbers = self.window.finish()
+        # Lightning divides every micro-batch's loss by accumulate_grad_batches, also in an
+        # epoch's last window of fewer micro-batches
+        numbers = self.window.finish(divided_by=max(1, trainer.accumulate_grad_batches))
         if numbers is None:
             return
         # straight to the loggers: log_dict would store float32 copies and emit them again at

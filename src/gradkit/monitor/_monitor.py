@@ -228,11 +228,20 @@ class GradientMonitor:
         self._open = (current, scope)
         return current
 
-    def end(self, *, loss: Any = None, failed: bool = False) -> dict[str, Any] | None:
+    def end(
+        self, *, loss: Any = None, failed: bool = False, divided_by: int | None = None
+    ) -> dict[str, Any] | None:
         """End the open step; on a tracked one, summarize, log and return its record
-        (``failed=True``: remove the hooks and log nothing)."""
+        (``failed=True``: remove the hooks and log nothing).
+
+        ``divided_by`` (with ``scale_to_grad=True``): the count each micro-batch's mean loss
+        was divided by, where it is not the number of backward passes of the step (Lightning
+        divides by ``accumulate_grad_batches`` also in an epoch's shorter last window). None:
+        the number of passes."""
         if self._open is None:
             raise GradkitError("GradientMonitor.end(): no step is open; call monitor.begin()")
+        if divided_by is not None:
+            check_int(divided_by, "GradientMonitor.end(...)", "divided_by", low=1)
         current, scope = self._open
         self._open = None
         if loss is not None:
@@ -243,7 +252,7 @@ class GradientMonitor:
         scope.close()
         if current.stats is None:
             return None
-        current.record = self._summarize(current)
+        current.record = self._summarize(current, divided_by)
         return current.record
 
     @contextlib.contextmanager
@@ -266,7 +275,7 @@ class GradientMonitor:
             return float(value) if value is not None else None
         return None if self.lr is None else float(self.lr)
 
-    def _share_scale(self, index: int, stats: Any) -> float:
+    def _share_scale(self, index: int, stats: Any, divided_by: int | None = None) -> float:
         """The factor from the tracked shares to the individual gradients (``scale_to_grad``).
         Passes whose loss is a sum over their items divided by a count common to the step: the
         step's examples (the shares' mean is then ``.grad``). Passes whose loss is each
@@ -275,10 +284,13 @@ class GradientMonitor:
         (its shares times its examples), and the factor is the number of passes, which gives
         the examples' own gradients also for micro-batches of different sizes (with the step's
         examples instead, a short micro-batch's examples weighed more: 58 % on the variance
-        for 8 and 2). A step mixing both kinds is read as the former, with a warning."""
-        means = stats._pass_means
-        if means and all(means):
-            return float(len(means))
+        for 8 and 2), or ``divided_by`` where the trainer says what it divided by. A pass
+        whose loss is over one row (its mean is its sum) goes with either kind. A step mixing
+        both kinds is read as the former, with a warning."""
+        passes = stats._pass_means
+        means = [m for m in passes if m is not None]
+        if all(means) and (means or divided_by is not None):
+            return float(divided_by if divided_by is not None else len(passes))
         if any(means) and not self._warned_mixed:
             self._warned_mixed = True
             warnings.warn(
@@ -291,7 +303,7 @@ class GradientMonitor:
             )
         return float(stats.num_examples)
 
-    def _summarize(self, current: MonitorStep) -> dict[str, Any]:
+    def _summarize(self, current: MonitorStep, divided_by: int | None = None) -> dict[str, Any]:
         stats = current.stats
         assert stats is not None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
@@ -301,7 +313,7 @@ class GradientMonitor:
             loss = float(loss.detach().double().mean())  # a float64 loss kept to the last digit
         scale = 1.0
         if self.scale_to_grad:
-            scale = self._share_scale(current.index, stats)
+            scale = self._share_scale(current.index, stats, divided_by)
         norms = stats.batch_l2() if "batch_l2" in self.quantities else None
         record = summarize(
             stats,

@@ -373,13 +373,18 @@ _SCALINGS = ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1")
 """Nodes that scale the loss when one of their inputs is a constant (no graph)."""
 
 
-def scaled_mean(roots: list[torch.Tensor]) -> bool:
+def scaled_mean(roots: list[torch.Tensor]) -> bool | None:
     """Whether the loss of ``roots`` is, below root-level additions and multiplications or
     divisions by a constant, a mean over more than one row that its graph records (a
     micro-batch's mean divided by the number of micro-batches): its examples' shares depend on
-    the micro-batch's size."""
+    the micro-batch's size. None where every reduction it records is over one row, whose mean
+    is its sum (a micro-batch of one example, an epoch's remainder): either reading."""
     found = loss_reductions(roots, through_scaling=True)
-    return any(f.reduction == "mean" and f.rows != 1 for f in found)
+    if any(f.reduction == "mean" and f.rows != 1 for f in found):
+        return True
+    if found and all(f.rows == 1 for f in found):
+        return None
+    return False
 
 
 def reaches(node: Any, targets: set[Any], limit: int = 200_000) -> bool:

@@ -396,7 +396,8 @@ class Tracker(TrackerResults):
         self._cuda = False  # a tracked call ran on CUDA (see _precision.full_float32)
         # each pass's loss is a mean over its rows, maybe scaled (see _layout.scaled_mean), in
         # order: recorded with verify_reduction False (GradientMonitor reads it)
-        self._pass_means: list[bool] = []
+        # (None: a loss over one row, whose mean is its sum)
+        self._pass_means: list[bool | None] = []
 
     # -- context manager ---------------------------------------------------------------------
 
