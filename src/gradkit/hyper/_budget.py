@@ -145,7 +145,9 @@ def saved_bytes() -> Iterator[dict[int, int]]:
             storage = x.untyped_storage()
             found[storage.data_ptr()] = storage.nbytes()
             held.append(x)
-        return x
+        # detached: a saved output packed as itself would hold its own node, a reference
+        # cycle that only a backward pass without retain_graph breaks
+        return x.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         yield found

@@ -107,7 +107,8 @@ def forward(
         for (j, i), tangent in zip(part, tangents, strict=True):
             if tangent is not None:
                 reached[j] = True
-                flat[j][i] = tangent.to(flat[j].dtype)
+                # detached: through the user's graph (lr = log_lr.exp()) it carries one
+                flat[j][i] = tangent.detach().to(flat[j].dtype)
     dyn.check_reached(names, hypers, reached)
     grads = {name: f.view(h.shape) for name, f, h in zip(names, flat, hypers, strict=True)}
     if not full_output:

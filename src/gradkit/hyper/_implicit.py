@@ -255,7 +255,7 @@ def implicit(
         )
         value = check_scalar(outer_loss(views), call, "outer_loss")
         res = (
-            torch.autograd.grad(value, [w, *hypers], allow_unused=True)
+            torch.autograd.grad(value, [w, *hypers], retain_graph=True, allow_unused=True)
             if value.requires_grad
             else (None,) * (1 + len(hypers))
         )
@@ -340,7 +340,8 @@ def implicit(
                     float(residual),
                     spent,
                 )
-        mixed = torch.autograd.grad(g, hypers, q.detach(), allow_unused=True)
+        # retain_graph: a hyperparameter may reach the loss through the user's own graph
+        mixed = torch.autograd.grad(g, hypers, q.detach(), retain_graph=True, allow_unused=True)
     grads = {}
     for name, h, d, m in zip(names, hypers, direct, mixed, strict=True):
         if d is None and m is None:

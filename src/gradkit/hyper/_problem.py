@@ -547,7 +547,11 @@ class Dynamics:
             grads, state, params = self._update(s, t, create_graph=True, first=False)
             new_params, new_state = self.opt.update(grads, state, params)
             s_next = self.layout.flatten(new_params, new_state)
-            res = torch.autograd.grad(s_next, [s, *hypers], adjoint, allow_unused=True)
+            # retain_graph: a hyperparameter may reach the step through the user's own graph
+            # (an lr = log_lr.exp() built once), which every step's pass goes through
+            res = torch.autograd.grad(
+                s_next, [s, *hypers], adjoint, retain_graph=True, allow_unused=True
+            )
         a = res[0] if res[0] is not None else torch.zeros_like(s)
         return a.detach(), res[1:]
 
@@ -561,7 +565,7 @@ class Dynamics:
             value = check_scalar(self.outer_loss(params), self.call, "outer_loss")
             res: tuple[torch.Tensor | None, ...]
             if value.requires_grad:
-                res = torch.autograd.grad(value, [s, *hypers], allow_unused=True)
+                res = torch.autograd.grad(value, [s, *hypers], retain_graph=True, allow_unused=True)
             else:
                 res = (None,) * (1 + len(hypers))
         a = res[0] if res[0] is not None else torch.zeros_like(s)

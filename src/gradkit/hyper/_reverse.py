@@ -129,7 +129,9 @@ def _engine(
         total = sum_paths([None] * len(hypers), direct)
         if leaf is not None:  # back through the kept graphs in one pass
             with torch.enable_grad():
-                res = torch.autograd.grad(s, [leaf, *hypers], adjoint, allow_unused=True)
+                res = torch.autograd.grad(  # retain_graph: the user's graph (see Dynamics.vjp)
+                    s, [leaf, *hypers], adjoint, retain_graph=True, allow_unused=True
+                )
             adjoint = res[0] if res[0] is not None else torch.zeros_like(adjoint)
             total = sum_paths(total, res[1:])
         del s, leaf
@@ -145,7 +147,9 @@ def _engine(
         dyn.check_replay()
         if start == 0 and s0.requires_grad:
             with torch.enable_grad():
-                parts = torch.autograd.grad(s0, hypers, adjoint, allow_unused=True)
+                parts = torch.autograd.grad(
+                    s0, hypers, adjoint, retain_graph=True, allow_unused=True
+                )
             total = sum_paths(total, parts)
     if span == steps:  # nothing cut: a tensor no path reaches is the optimizer's or a mistake
         dyn.check_reached(names, hypers, [g is not None for g in total])
