@@ -143,6 +143,38 @@ def test_a_replaced_parameter_is_refused_and_state_is_kept():
         eigenvalues(H, k=1)
 
 
+@pytest.mark.parametrize("op_type", [Hessian, GGN])
+@pytest.mark.parametrize("change", ["frozen", "cast"])
+def test_a_frozen_or_cast_parameter_is_refused_everywhere(op_type, change):
+    # found by a probe: after freezing a parameter, products, dense and eigenvalues raised
+    # autograd's bare "does not require grad" while diagonal() and trace() still answered
+    # over all parameters; after model.float(), products raised torch's bare dtype mismatch
+    model, loss_fn, batch = ce_problem()
+    op = op_type(model, loss_fn, batch)
+    want = op.dense()
+    if change == "frozen":
+        model[0].weight.requires_grad_(False)
+        words = r"parameter '0.weight' no longer requires grad .*unfreeze it"
+    else:
+        model.float()
+        words = r"parameter '0.weight' is torch.float32 on \S+ now; the operator was built for"
+    v = torch.randn(op.shape[0], dtype=D)
+    for call in (
+        lambda: op @ v,
+        op.dense,
+        lambda: diagonal(op),
+        lambda: trace(op, method="exact"),
+        lambda: eigenvalues(op, k=1),
+    ):
+        with pytest.raises(GradkitError, match=words):
+            call()
+    if change == "frozen":
+        model[0].weight.requires_grad_(True)
+    else:
+        model.double()
+    assert_close(op.dense(), want, rtol=1e-12, atol=1e-14)
+
+
 def test_several_batches_follow_the_model_too():
     model, loss_fn, (x, y) = ce_problem()
     batches = [(x[:5], y[:5]), (x[5:], y[5:])]

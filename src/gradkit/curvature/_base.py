@@ -170,7 +170,9 @@ class CurvatureOperator(FlatVectors):
         return TensorState(named_state(model), modules=model, data=self._data.tensors())
 
     def _check_params(self) -> None:
-        """Refuse parameters that are no longer the model's (replaced by new objects)."""
+        """Refuse parameters that are no longer the model's (replaced by new objects), no
+        longer require grad (frozen since), or were cast or moved since the operator was built
+        (its vectors keep the dtype and device it was built with)."""
         named = dict(self._data.model.named_parameters())
         for name, p in zip(self.names, self._params, strict=True):
             if named.get(name) is not p:
@@ -179,6 +181,19 @@ class CurvatureOperator(FlatVectors):
                     "that name (it was replaced by a new tensor object or removed after the "
                     "operator was built); the operator differentiates the parameters it was "
                     "built with: build a new operator from the model as it is now"
+                )
+            if not p.requires_grad:
+                raise GradkitError(
+                    f"{self._call}: parameter {name!r} no longer requires grad (it was frozen "
+                    "after the operator was built, which differentiates it); unfreeze it "
+                    "(requires_grad_(True)) while using the operator, or build a new operator "
+                    "from the model as it is now (frozen parameters are left out)"
+                )
+            if p.dtype != self.dtype or p.device != self.device:
+                raise GradkitError(
+                    f"{self._call}: parameter {name!r} is {p.dtype} on {p.device} now; the "
+                    f"operator was built for {self.dtype} on {self.device} (the model was cast "
+                    "or moved since): build a new operator from the model as it is now"
                 )
 
     def _current_point(self) -> Point | None:
