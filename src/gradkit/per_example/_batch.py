@@ -92,6 +92,13 @@ class ModelCall:
     # operations found mixing the examples between tracked calls (see row_order): (what it is,
     # the tracked calls whose outputs it mixes)
     mixed: list[tuple[str, list[str]]] = field(default_factory=list)
+    # flags (False, True or a 0-dim tensor, read with the statistics) of rows combined from the
+    # outputs of tracked calls in different orders (see row_order)
+    mixed_rows: list[Any] = field(default_factory=list)
+    # (node, dimension) where row_order began a walk -> the orders of its ends and sources: a
+    # later call's walk that reaches it stops there (a residual stream is walked once, not
+    # once per layer after it)
+    walks: dict[tuple[Any, int], tuple[list[Any], list[Any]]] = field(default_factory=dict)
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -437,7 +444,7 @@ _MIX_WORDS = {
     "LogSoftmax": "a log-softmax",
     "Softmax": "a softmax",
 }
-_MIX_CHECKED = _MIXES_ALONG | _BATCH_NORMS | frozenset(_ROWS_OF) | {"Expand"}
+_MIX_CHECKED = _MIXES_ALONG | _BATCH_NORMS | frozenset(_ROWS_OF) | {"Expand", "Repeat"}
 _REACH_LIMIT = 256
 """Nodes :func:`_reaches_examples` visits at most (the graph of a value broadcast onto the
 rows: a few nodes back to the tracked calls, or a weight's own)."""
@@ -472,7 +479,7 @@ def _mixing(node: Any, op: str, d: int, rank: int | None, model: ModelCall) -> N
     * a product whose other operands are computed from the examples (``h @ h.T @ h``: row
       ``i`` sums over every example);
     * an ``expand`` along the examples' dimension of a value computed from them
-      (``F.normalize(h, dim=0)`` expands the batch's norms).
+      (``F.normalize(h, dim=0)`` expands the batch's norms), or a ``repeat`` of one.
 
     Their per-example gradients are not the examples' own: an example's loss depends on the
     others' activations, which the layers before it see in their rows."""
@@ -484,7 +491,7 @@ def _mixing(node: Any, op: str, d: int, rank: int | None, model: ModelCall) -> N
         dims = _saved_dims(node, rank)
         if dims is not None and (rank is not None or all(s >= 0 for s in dims)) and d in dims:
             what = f"{_MIX_WORDS[op]} over the examples"
-    elif op == "Expand":
+    elif op in ("Expand", "Repeat"):
         sizes = getattr(node, "_saved_self_sym_sizes", None)
         if sizes is not None and rank is not None:
             k = d - (rank - len(sizes))  # the input's dimension under the examples'
@@ -546,18 +553,26 @@ def row_order(
             return model.row_orders.get(start)
         op = _op(start)
         nexts = start.next_functions
+        shape = _output_shape(start) if op in _MIX_CHECKED or op in _THROUGH else None
+        rank = len(shape) if shape is not None else None
         if op in _MIX_CHECKED:  # read where it acts; the walk goes on as before
-            shape = _output_shape(start)
-            _mixing(start, op, dim, len(shape) if shape is not None else None, model)
+            _mixing(start, op, dim, rank, model)
         if (op in _PER_ENTRY and len(nexts) == 1) or (op in _KEEP_ROWS and dim == 0):
             start = nexts[0][0]
         elif op in _ROWS_OF and dim == 0:
             start = nexts[_ROWS_OF[op]][0]
+        elif op in _THROUGH and len(nexts) == 1:  # a pooling, a flatten, a transpose
+            child = _through_dim(start, op, dim, rank, shape)
+            if child is None:
+                return None  # the examples may have moved: trusted beyond
+            start, dim = nexts[0][0], child
         elif op in _PER_ENTRY or op in _NEEDS_RANK or op == "PackPaddedSequence":
             break  # several inputs, or one that reorders or moves the rows: walked below
         else:
             return None  # the examples may have moved: trusted beyond, as the walk would
     ends: list[Order] = []
+    sources: list[Order] = []  # the orders of the tracked calls' outputs reached
+    first = (start, dim) if order is None else None  # a walk later walks may reuse
     # (node, order, dimension, whether its rows must be checked: reached from an operation of
     # several inputs, one of which may be a broadcast operand or a weight)
     stack: list[tuple[Any, Order, int, bool]] = [(start, order, dim, False)]
@@ -567,6 +582,13 @@ def row_order(
         if node is None or node in model.dims:
             prior = model.row_orders.get(node) if node is not None else None
             ends.append(_compose(prior, order))
+            if node is not None:
+                sources.append(ends[-1])
+            continue
+        done = model.walks.get((node, d))
+        if done is not None:  # an earlier call's input, walked from there: its ends, reordered
+            ends.extend(_compose(e, order) for e in done[0])
+            sources.extend(_compose(s, order) for s in done[1])
             continue
         if (node, id(order), d) in walked:
             continue
@@ -581,7 +603,8 @@ def row_order(
             batch_first = getattr(node, "_saved_batch_first", True)
             stack.append((nexts[0], order, 0 if batch_first else 1, False))
             continue
-        shape = _output_shape(node) if check or op in _NEEDS_RANK or op in _MIX_CHECKED else None
+        read = check or op in _NEEDS_RANK or op in _MIX_CHECKED or op in _THROUGH
+        shape = _output_shape(node) if read else None
         rank = len(shape) if shape is not None else None
         if shape is not None and (len(shape) <= d or shape[d] != n):
             # not the examples' rows (a broadcast operand, a weight), unless computed from them;
@@ -608,7 +631,7 @@ def row_order(
             else:
                 ends.append(True)
             continue
-        child = _child_dim(node, op, d, rank)
+        child = _child_dim(node, op, d, rank, shape)
         if child is None:
             ends.append(order)  # the examples may have moved: trusted beyond
             continue
@@ -618,10 +641,30 @@ def row_order(
             nexts = nexts[:1]  # the input; the others are weights and statistics
         several = len(nexts) > 1
         stack.extend((nxt, order, child, several) for nxt in nexts)
+    if len(sources) > 1:
+        flag = _orders_differ(sources, n, device)
+        if flag is not False:
+            model.mixed_rows.append(flag)
+    if first is not None:
+        model.walks[first] = (ends, sources)
     moved = [e for e in ends if e is not None]
     if not moved:
         return None
     return moved[0] if len(moved) == 1 else True
+
+
+def _orders_differ(orders: list[Order], n: int, device: torch.device) -> Any:
+    """A flag (as :func:`out_of_order`'s) that the rows of the tracked calls' outputs a call's
+    input combines are not in one order: each row then holds several examples' activations
+    (``0.7 * h + 0.3 * h[perm]``, manifold mixup). Rows that are not a reordering of whole
+    rows (``True``: a sort, a gather) are left out: a token dispatch across the batch may
+    scatter each row back whole, which the walk cannot tell from a mix."""
+    orders = [o for o in orders if o is not True]
+    tensors = [o for o in orders if o is not None]
+    if not tensors or (len(tensors) == len(orders) and all(t is tensors[0] for t in tensors)):
+        return False
+    base = tensors[0] if len(tensors) == len(orders) else torch.arange(n, device=device)
+    return torch.stack([(t != base).any() for t in tensors]).any()
 
 
 def _spliced_rows(
@@ -684,11 +727,17 @@ def _compose(prior: Order, order: Order) -> Order:
     return prior[order]
 
 
-def _child_dim(node: Any, op: str, d: int, rank: int | None) -> int | None:
+def _child_dim(node: Any, op: str, d: int, rank: int | None, shape: Any = None) -> int | None:
     """Where the examples are in ``node``'s first input, given they are in dimension ``d`` of
-    its output; None where the walk cannot tell."""
+    its output (``shape``, where read); None where the walk cannot tell."""
     if op in _PER_ENTRY:
         return d
+    if op in _THROUGH:
+        return _through_dim(node, op, d, rank, _output_shape(node) if shape is None else shape)
+    if op in _BATCHED:  # a product per example: both operands hold them in dimension 0
+        return d if d == 0 else None
+    if op == "Cat" and rank is not None:  # along another dimension: every input holds them
+        return d if signed(node._saved_dim) % rank != d else None
     if op in _ROWS_OF or op in _KEEP_ROWS:
         return d if d == 0 else None
     if op in ("Select", "Squeeze", "Unsqueeze", "Slice"):
@@ -708,6 +757,62 @@ def _child_dim(node: Any, op: str, d: int, rank: int | None) -> int | None:
                 d += 1
         return d
     return None
+
+
+# reductions along the dimensions they were given (all of them where none is saved)
+_REDUCES = frozenset(
+    [
+        "Amax",
+        "Amin",
+        "LinalgVectorNorm",
+        "Logsumexp",
+        "Max",
+        "Mean",
+        "Median",
+        "Min",
+        "Nanmedian",
+        "Norm",
+        "Prod",
+        "Std",
+        "Sum",
+        "Var",
+    ]
+)
+# operations the walk follows the examples through, where it can tell their dimension (pooling
+# over the positions, a flatten, a transpose): an operation that mixes the examples beyond
+# them is found as before them
+_THROUGH = _REDUCES | _MIXES_ALONG | {"View", "UnsafeView", "Transpose", "Permute"}
+
+
+def _through_dim(node: Any, op: str, d: int, rank: int | None, shape: Any) -> int | None:
+    """:func:`_child_dim` for the operations of :data:`_THROUGH`: ``d`` in their input, or
+    None (unknown, or the examples' own dimension reduced: not rows)."""
+    if rank is None:
+        return None
+    if op in ("View", "UnsafeView"):  # [n, ...] -> [n, ...]: each example's entries stay its row
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        ok = d == 0 and sizes and shape is not None and sizes[0] == shape[0]
+        return 0 if ok else None
+    if op == "Transpose":
+        a = signed(node._saved_dim0) % rank
+        b = signed(node._saved_dim1) % rank
+        return b if d == a else a if d == b else d
+    if op == "Permute":
+        dims = [signed(p) % rank for p in node._saved_dims]
+        return dims[d] if d < len(dims) else None
+    raw = getattr(node, "_saved_dim", None)
+    if raw is None:
+        return None  # the whole tensor
+    given = [signed(s) for s in (raw if isinstance(raw, tuple) else (raw,))]
+    if not given:
+        return None  # sum(dim=()) reduces everything
+    keep = op in _MIXES_ALONG or bool(getattr(node, "_saved_keepdim", False))
+    in_rank = rank if keep else rank + len(given)
+    reduced = {s % in_rank for s in given}
+    remaining = [i for i in range(in_rank) if keep or i not in reduced]
+    if d >= len(remaining) or remaining[d] in reduced:
+        return None
+    return remaining[d]
 
 
 _MOVES_DIM = frozenset({"Select", "Squeeze", "Unsqueeze", "Slice"})

@@ -53,6 +53,10 @@ class TrackerResults(Mapping[str, ParamStats]):
         """Refuse statistics a module's re-run example by example did not reproduce (see the
         tracker)."""
 
+    def _check_mixed_rows(self, call: str) -> None:
+        """Refuse statistics of layers before rows combined in different orders (see the
+        tracker)."""
+
     def _readable(self, call: str) -> None:
         """Refuse to read statistics inside the block while a model call waits for its
         backward pass: they would silently leave its examples out. Refuse them too after a
@@ -60,6 +64,7 @@ class TrackerResults(Mapping[str, ParamStats]):
         re-runs did not reproduce a module's output (:meth:`_check_reruns`)."""
         self._check_complete(call)
         self._check_reruns(call)
+        self._check_mixed_rows(call)
         self._check_rule_sums(call)
         if self._active and self._unbackwarded:
             raise GradkitError(

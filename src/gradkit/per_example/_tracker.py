@@ -374,6 +374,9 @@ class Tracker(TrackerResults):
         self._rule_sums: list[tuple[str, list[UseRecord], dict[int, torch.Tensor]]] = []
         # (rule of module, parameter, whether its sum missed autograd's): read with the stats
         self._rule_flags: list[tuple[str, str, torch.Tensor]] = []
+        # (module, whether its input combined the examples' rows in different orders): read
+        # with the statistics (see _check_mixed_rows)
+        self._mixed_rows: list[tuple[str, Any]] = []
         self._done: list[UseRecord] = []  # uses processed in the current backward
         self._deferred: dict[int, list[tuple[PerExampleGrad, bool, float]]] = {}
         # per-example gradients kept (batch_grad) are written at the pass's end, after
@@ -701,6 +704,9 @@ class Tracker(TrackerResults):
             orders = self._input_orders(args, kwargs, layout, model, simple)
         if model.mixed:
             raise mixed_error(st.label, model.mixed)
+        if model.mixed_rows:  # read with the statistics (no host sync here)
+            self._mixed_rows.extend((st.label, flag) for flag in model.mixed_rows)
+            model.mixed_rows.clear()
         if not self._in_order:
             return None
         moved = [o for o in orders if o is not None]
@@ -1049,6 +1055,31 @@ class Tracker(TrackerResults):
                 "move such a hook to a module around it, register a rule for the module "
                 "(@gradkit.per_example.register_rule), or freeze its parameters "
                 "(requires_grad_(False)) to track the rest",
+            )
+        )
+
+    def _check_mixed_rows(self, call: str) -> None:
+        """Refuse statistics where a tracked call's input combined the rows of earlier
+        calls' outputs in different orders (manifold mixup: ``0.7 * h + 0.3 * h[perm]``): each
+        such row holds several examples' activations, so the layers before it have no
+        individual gradients. The flags are read here, with the statistics."""
+        if not self._mixed_rows:
+            return
+        labels = [label for label, flag in self._mixed_rows if bool(flag)]
+        if not labels:
+            self._mixed_rows.clear()
+            return
+        raise GradkitError(
+            message(
+                call,
+                "model",
+                "layers whose input rows each hold one example's activations",
+                f"the input of {', '.join(dict.fromkeys(labels))} combining the rows of earlier "
+                "layers' outputs in different orders (as manifold mixup does: "
+                "a * h + b * h[perm]): its rows mix several examples, whose individual "
+                "gradients the layers before it do not have",
+                "mix the model's inputs instead of its hidden rows, freeze the layers before "
+                "the mixing (requires_grad_(False)) to track the rest, or track only 'mean'",
             )
         )
 
