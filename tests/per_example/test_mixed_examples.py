@@ -66,6 +66,14 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N, 4, generator=gen, dtype=D), torch.randint(0, 3, (N,), generator=gen)
 
 
+def _tracked(model: nn.Module, *quantities: str) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """The statistics of one tracked backward pass of ``model`` on :func:`_data`."""
+    x, y = _data()
+    with track(model, *quantities) as stats:
+        F.cross_entropy(model(x), y).backward()
+    return stats, x, y
+
+
 @pytest.mark.parametrize("quantity", ["variance", "second_moment", "batch_l2", "batch_grad"])
 @pytest.mark.parametrize("kind", list(MIXING))
 def test_mixing_between_layers_is_refused_before_any_gradient(kind, quantity):
@@ -82,9 +90,7 @@ def test_mixing_between_layers_is_refused_before_any_gradient(kind, quantity):
 def test_the_mean_alone_is_exact_whatever_the_model_mixes(kind):
     torch.manual_seed(0)
     model = Between(MIXING[kind]).double()
-    x, y = _data()
-    with track(model, "mean") as stats:
-        F.cross_entropy(model(x), y).backward()
+    stats, _, _ = _tracked(model, "mean")
     for name, p in model.named_parameters():
         assert_close(stats[name].mean, p.grad, rtol=1e-12, atol=1e-15)
 
@@ -143,10 +149,7 @@ def test_rows_combined_in_different_orders_are_refused_when_read(kind, quantity)
     # first one's variance 15 % off, silently (its per-example results were refused, as
     # reordered)
     torch.manual_seed(0)
-    model = Between(COMBINED[kind]).double()
-    x, y = _data()
-    with track(model, quantity) as stats:
-        F.cross_entropy(model(x), y).backward()
+    stats, _, _ = _tracked(Between(COMBINED[kind]).double(), quantity)
     words = r"the input of b \(Linear\) combining the rows of earlier layers' outputs"
     with pytest.raises(GradkitError, match=words):
         stats.batch_l2() if quantity == "batch_l2" else getattr(stats["a.weight"], quantity)
@@ -156,9 +159,7 @@ def test_rows_combined_in_different_orders_are_refused_when_read(kind, quantity)
 def test_rows_in_one_order_stay_readable(kind):
     torch.manual_seed(0)
     model = Between(IN_ONE_ORDER[kind]).double()
-    x, y = _data()
-    with track(model, "variance") as stats:
-        F.cross_entropy(model(x), y).backward()
+    stats, x, y = _tracked(model, "variance")
     for name, g in _own_gradients(model, x, y).items():
         assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-9, atol=1e-13)
 

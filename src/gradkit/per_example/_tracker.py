@@ -193,6 +193,15 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _raised(flags: list[tuple[str, Any]]) -> list[str]:
+    """The labels whose flag (``False``, ``True`` or a 0-dim tensor, read here: a host sync,
+    with the statistics) is set; none set, the flags are dropped, as read."""
+    labels = [label for label, flag in flags if bool(flag)]
+    if not labels:
+        flags.clear()
+    return labels
+
+
 class _PassEnd:
     """The engine callback that ends a backward pass (:meth:`Tracker._finalize`). The engine
     drops it unrun when the pass raises, so a weak reference to it that died while the tracker
@@ -1034,11 +1043,8 @@ class Tracker(TrackerResults):
         """Refuse statistics where the fallback re-ran a module example by example and did not
         get the batch's output back (its flags, kept per backward pass, are read here, with
         the statistics: the backward never waits for the device)."""
-        if not self._reruns:
-            return
-        labels = [label for label, differ in self._reruns if bool(differ)]
+        labels = _raised(self._reruns)
         if not labels:
-            self._reruns.clear()
             return
         raise GradkitError(
             message(
@@ -1063,11 +1069,8 @@ class Tracker(TrackerResults):
         calls' outputs in different orders (manifold mixup: ``0.7 * h + 0.3 * h[perm]``): each
         such row holds several examples' activations, so the layers before it have no
         individual gradients. The flags are read here, with the statistics."""
-        if not self._mixed_rows:
-            return
-        labels = [label for label, flag in self._mixed_rows if bool(flag)]
+        labels = _raised(self._mixed_rows)
         if not labels:
-            self._mixed_rows.clear()
             return
         raise GradkitError(
             message(
