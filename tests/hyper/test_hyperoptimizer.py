@@ -282,9 +282,22 @@ def test_a_torch_optim_instance_and_a_factory_are_accepted():
 def test_non_finite_hypergradient_raises():
     inner, outer, opt, h = _problem()
     hopt = hyper.HyperOptimizer(inner, outer, softmax_params(), opt, {"l2": h["l2"]}, steps=20)
-    h["lr"].fill_(math.nan)  # a tensor the optimizer holds went bad after construction
+    h["l2"].fill_(math.nan)  # a tensor the losses hold went bad after construction
     with pytest.raises(FloatingPointError, match=r"HyperOptimizer.step: hypergradient: expected"):
         hopt.step()
+
+
+def test_an_optimizer_tensor_gone_bad_is_named():
+    # a tensor the optimizer holds, changed in place after construction: read again at each
+    # call (a NaN learning rate gave a non-finite hypergradient; a negative one trained on)
+    inner, outer, opt, h = _problem()
+    hopt = hyper.HyperOptimizer(inner, outer, softmax_params(), opt, {"l2": h["l2"]}, steps=20)
+    for bad, words in ((math.nan, "got nan"), (-0.5, "got -0.5")):
+        h["lr"].fill_(bad)
+        with pytest.raises(
+            ValueError, match=rf"lr: expected a tensor of finite values >= 0, {words}"
+        ):
+            hopt.step()
 
 
 def _kwargs(**over):

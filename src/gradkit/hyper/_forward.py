@@ -94,6 +94,7 @@ def forward(
         chunk = max(1, len(directions))
     check_bool(full_output, call, "full_output")
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
+    dyn.check_steps(steps)
     flat = [torch.zeros(h.numel(), dtype=h.dtype, device=h.device) for h in hypers]
     reached = [False] * len(hypers)
     for first in range(0, max(1, len(directions)), chunk):

@@ -29,6 +29,7 @@ from gradkit._validate import check_bool, check_callable, check_choice, check_in
 from gradkit.hyper._problem import (
     HyperResult,
     check_hyper,
+    check_outer,
     check_params,
     check_scalar,
     hyper_leaves,
@@ -259,7 +260,9 @@ def implicit(
             if value.requires_grad
             else (None,) * (1 + len(hypers))
         )
-        b = torch.zeros_like(w) if res[0] is None else res[0].detach()
+        check_outer(call, res[0] is not None)
+        assert res[0] is not None
+        b = res[0].detach()
         direct = res[1:]
         loss = check_scalar(inner_loss(views, batch), call, "inner_loss")
         (g,) = (

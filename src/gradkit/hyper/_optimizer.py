@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._tree import leaves, rebuild, structure_of
 from gradkit._validate import check_bool, check_callable, check_choice
 from gradkit.hyper._budget import budget_bytes
@@ -207,6 +207,9 @@ class HyperOptimizer:
         self.record = record
         # checks the inner problem now (losses, optimizer, params0), not at the first step
         self._dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, _CALL)
+        self._module = params0 if isinstance(params0, torch.nn.Module) else None
+        if method not in ("rtho", "implicit"):  # (RTHO's steps go on across hyper-steps)
+            self._dyn.check_steps(self.steps)
         self._start = self._dyn.params0
         if warm_start:
             held = {id(p) for p in leaves(self._start, self._dyn.structure, _CALL, "params0")}
@@ -302,8 +305,12 @@ class HyperOptimizer:
                 inner or the outer learning rate).
         """
         start = time.perf_counter()
+        self._check_model()
         snapshot = {k: h.detach().clone() for k, h in self.hyper.items()} if self.record else {}
+        versions = self._dyn.buffer_versions()
         value, grads, params, inner_steps = self._hypergradient()
+        # the engines run on the module's parameters (a dict): its buffers are checked here
+        self._dyn.check_buffers(versions)
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
         if not (math.isfinite(value) and math.isfinite(norm)):
             raise FloatingPointError(
@@ -340,6 +347,33 @@ class HyperOptimizer:
         )
         return record
 
+    def _check_model(self) -> None:
+        """Refuse a module given as ``params0`` whose trainable parameters are no longer the
+        ones it had when this optimizer was built (frozen, unfrozen, replaced or added since):
+        the hypergradients would train the old set, silently (a layer replaced since was never
+        used, 104 % off)."""
+        if self._module is None:
+            return
+        built = self._dyn.params0
+        now = {k: p for k, p in self._module.named_parameters() if p.requires_grad}
+        if now.keys() == built.keys() and all(now[k] is built[k] for k in now):
+            return
+        changed = sorted(set(now) ^ set(built)) + [
+            k for k in now if k in built and now[k] is not built[k]
+        ]
+        raise GradkitError(
+            message(
+                f"{_CALL}.step()",
+                "params0",
+                "the module's trainable parameters as when the HyperOptimizer was built",
+                ", ".join(repr(k) for k in changed[:3])
+                + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                + " changed since (frozen, unfrozen, replaced or added)",
+                "build a new HyperOptimizer from the model as it is now (frozen parameters are "
+                "left out of params0, as torch.optim leaves them)",
+            )
+        )
+
     def _apply(self, grads: dict[str, torch.Tensor]) -> None:
         """Outer optimizer step with ``grads`` as the hyperparameters' ``.grad`` (restored
         afterwards), then the projections, in place. When a projection fails, the
@@ -375,11 +409,26 @@ class HyperOptimizer:
                         )
                 for name, value in projected.items():
                     self.hyper[name].copy_(value)
+            self._check_values()
         except BaseException:
             with torch.no_grad():
                 for name, h in self.hyper.items():
                     h.copy_(values[name])
             self.outer_opt.load_state_dict(outer_state)
+            raise
+
+    def _check_values(self) -> None:
+        """Check the inner optimizer's hyperparameters after the outer step, as the optimizer
+        checked them when built: the outer step may move one out of range (a negative learning
+        rate trained on silently)."""
+        try:
+            self.opt.check_values(f"{_CALL}.step()")
+        except ValueError as err:
+            if hasattr(err, "add_note"):  # Python 3.11
+                err.add_note(
+                    "The outer step moved it there: keep it in range with projections={name: ...} "
+                    "(e.g. lambda v: v.clamp_min(0)), or lower the outer optimizer's learning rate."
+                )
             raise
 
     def run(self, iterations: int) -> list[HyperStep]:

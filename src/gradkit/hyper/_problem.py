@@ -94,7 +94,21 @@ def check_params(params: Any, call: str, argument: str = "params0") -> Any:
         else:
             params = items
     structure = structure_of(params, call, argument)
+    seen: dict[int, Any] = {}
     for key, p in zip(structure.keys, leaves(params, structure, call, argument), strict=True):
+        first = seen.setdefault(id(p), key)
+        if first != key:  # trained twice, or untied by functional_call's tie_weights=False
+            raise ValueError(
+                message(
+                    call,
+                    argument,
+                    "each tensor once",
+                    f"the same tensor as {argument}[{first!r}] and {argument}[{key!r}] (tied "
+                    "weights)",
+                    "give it once: model.named_parameters() or the module itself list a tied "
+                    "tensor once, and functional_call ties it back",
+                )
+            )
         if not p.is_floating_point():
             raise TypeError(
                 message(
@@ -349,6 +363,7 @@ class Dynamics:
         self.inner_loss = inner_loss
         self.outer_loss = outer_loss
         self.opt = opt
+        opt.check_values(call)  # tensors changed in place since it was built, read once more
         # a module's buffers, checked at the first step: inner_loss must not update them
         self._buffers = (
             list(params0.named_buffers()) if isinstance(params0, torch.nn.Module) else []
@@ -388,6 +403,26 @@ class Dynamics:
         for name, h, ok in zip(names, hypers, reached, strict=True):
             if not ok and h.numel() > 0 and not self.owns(h):
                 raise unused_error(self.call, name, h=h, opt=self.opt)
+
+    def check_steps(self, steps: int) -> None:
+        """Refuse a schedule of the optimizer (a 1-d tensor hyperparameter, one value per
+        step) shorter than ``steps``: it was found at the step it ran out, by the optimizer's
+        update, which named neither the call nor ``steps``."""
+        for key, value in self.opt.hyperparams.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] < steps:
+                raise ValueError(
+                    message(
+                        self.call,
+                        f"opt's {key}",
+                        f"a schedule with a value for each of the {steps} steps",
+                        f"a schedule of {value.shape[0]} values",
+                        f"give {steps} values, or run {value.shape[0]} steps",
+                    )
+                )
+
+    def check_outer(self, depends: bool) -> None:
+        """:func:`check_outer` for this problem's call."""
+        check_outer(self.call, depends)
 
     def counts_at(self, t: int) -> Any:
         """The per-parameter counts of the state before step ``t`` (None: ``t`` for all)."""
@@ -568,9 +603,29 @@ class Dynamics:
                 res = torch.autograd.grad(value, [s, *hypers], retain_graph=True, allow_unused=True)
             else:
                 res = (None,) * (1 + len(hypers))
+        self.check_outer(res[0] is not None)
         a = res[0] if res[0] is not None else torch.zeros_like(s)
         final = self.layout.params_of(s_final.detach().clone())
         return value.detach(), a.detach(), res[1:], final
+
+
+def check_outer(call: str, depends: bool) -> None:
+    """Refuse an outer loss that does not depend on the parameters it is given (a constant,
+    or parameters detached or copied inside ``outer_loss``): every hypergradient through
+    training is then 0, and the engines read it differently (reverse gave 0, forward blamed an
+    unused hyperparameter)."""
+    if not depends:
+        raise ValueError(
+            message(
+                call,
+                "outer_loss",
+                "a loss computed from the parameters it is given (the trained ones)",
+                "a value that does not depend on them (a constant, or parameters detached, "
+                "copied or read from the module itself inside outer_loss)",
+                "compute outer_loss from its params argument (e.g. "
+                "torch.func.functional_call(model, params, x)), without detach()",
+            )
+        )
 
 
 def sum_paths(

@@ -88,6 +88,7 @@ def _engine(
         )
     k = checkpoint_stride(checkpoint_every, span, call)
     dyn = Dynamics(inner_loss, outer_loss, opt, params0, batches, call)
+    dyn.check_steps(steps)
     start = steps - span
     with hyper_leaves(hypers):
         s0 = dyn.initial()

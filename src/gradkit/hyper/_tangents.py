@@ -301,6 +301,8 @@ def read(
         )
     n = len(xs)
     gp, gh = res[:n], res[n:]
+    if directions:
+        dyn.check_outer(any(g is not None for g in gp))
     out: list[torch.Tensor | None] = []
     for (j, i), (zp, _) in zip(directions, traj.tangents, strict=True):
         total: torch.Tensor | None = None

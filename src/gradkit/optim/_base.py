@@ -159,6 +159,12 @@ class Optimizer:
     def _check(self, key: str, value: Any, call: str) -> Any:
         return check_value(value, call, key, self._bounds[key])
 
+    def check_values(self, call: str) -> None:
+        """Check every hyperparameter again, as at construction (finite, in range): tensors
+        changed in place since (by an outer optimizer) are read once more."""
+        for key, value in self._values.items():
+            self._check(key, value, call)
+
     def __repr__(self) -> str:
         def show(v: Any) -> str:
             return describe(v) if isinstance(v, torch.Tensor) else repr(v)
