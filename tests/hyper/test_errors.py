@@ -121,8 +121,9 @@ def call(**overrides):
         (
             lambda: {"params0": {"w": torch.zeros(3, dtype=D), "b": torch.zeros(1)}},
             TypeError,
-            r"params: expected tensors of one dtype on one device \(they share one buffer\), "
-            r"got torch.float32 on ([\w:]+), torch.float64 on \1",
+            REV + r"params0: expected tensors of one dtype on one device \(the steps keep them "
+            r"in one buffer\), got params0\['w'\] is torch.float64 on ([\w:]+), params0\['b'\] is "
+            r"torch.float32 on \1",
         ),
         (
             lambda: {"inner_loss": lambda p, b: _x() @ p["w"]},

@@ -160,3 +160,18 @@ def test_a_tied_tensor_given_under_two_names_is_refused():
     opt = optim.sgd(lr=torch.tensor(0.2, dtype=D))
     with pytest.raises(ValueError, match=r"params0: expected each tensor once, got the same"):
         hyper.reverse(inner, outer, both, opt, steps=STEPS, hyper={"l2": l2})
+
+
+@pytest.mark.parametrize("engine", ["reverse", "HyperOptimizer"])
+def test_parameters_of_two_dtypes_are_named(engine):
+    # the error named an internal call, state_layout(params, state), and no parameter
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model[2].float()
+    _, inner, outer, l2 = _problem(model)
+    opt = optim.sgd(lr=torch.tensor(0.2, dtype=D))
+    words = r"params0: expected tensors of one dtype on one device .*params0\['2.weight'\] is"
+    with pytest.raises(TypeError, match=words):
+        if engine == "HyperOptimizer":
+            hyper.HyperOptimizer(inner, outer, model, opt, {"l2": l2}, steps=STEPS)
+        else:
+            hyper.reverse(inner, outer, model, opt, steps=STEPS, hyper={"l2": l2})

@@ -119,7 +119,22 @@ def check_params(params: Any, call: str, argument: str = "params0") -> Any:
                     "convert it with .double() or .float()",
                 )
             )
-    return rebuild(structure, leaves(params, structure, call, argument))
+    values = leaves(params, structure, call, argument)
+    kinds: dict[tuple[torch.dtype, torch.device], Any] = {}
+    for key, p in zip(structure.keys, values, strict=True):
+        kinds.setdefault((p.dtype, p.device), key)  # the first parameter of each
+    if len(kinds) > 1:  # the engines keep them in one buffer (the state's rows)
+        shown = [f"{argument}[{k!r}] is {dt} on {dev}" for (dt, dev), k in list(kinds.items())[:2]]
+        raise TypeError(
+            message(
+                call,
+                argument,
+                "tensors of one dtype on one device (the steps keep them in one buffer)",
+                ", ".join(shown),
+                "convert the model or the tensors to one (model.double(), .float(), .to(device))",
+            )
+        )
+    return rebuild(structure, values)
 
 
 def check_hyper(
