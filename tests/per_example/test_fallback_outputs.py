@@ -265,3 +265,35 @@ def test_a_random_forward_the_loop_re_runs_is_refused_naming_its_dropout(kind: s
     with track(model, "variance") as stats:
         model(x).pow(2).sum().backward()
     assert stats.num_examples == 4
+
+
+class _TwoLayouts(nn.Module):
+    """Outputs ``[N, T, H]`` and a ``[1, N, H]`` state (as Opacus's ``DPLSTM`` returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))  # its own: read by the vmap fallback
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(F.linear(x, self.weight))
+        return h, h[:, -1].unsqueeze(0)
+
+
+class _UsesTwoLayouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = _TwoLayouts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.rnn(x)
+        return out.sum(1) + state[0]
+
+
+def test_outputs_holding_the_examples_in_different_dimensions_name_the_way_out():
+    # found by a probe: Opacus's DPLSTM was refused with the advice to pass batch_dim, which no
+    # value can satisfy (its output holds the examples in dimension 0, its state in 1)
+    model = _UsesTwoLayouts().double()
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    words = r"outputs hold the examples in different dimensions \(output 1 along dimension 1\)"
+    with pytest.raises(GradkitError, match=words), track(model, "variance"):
+        model(x).sum().backward()

@@ -1179,6 +1179,7 @@ def split_call(
                     if model is not None and n_model is not None
                     else "gives no number of examples"
                 )
+                + _apart_text(out_leaves, layout.output, n_model)
             ),
         )
     assert n is not None
@@ -1256,6 +1257,26 @@ def _storage(t: torch.Tensor) -> int:
 _SHOWN = 3
 """Layers whose problem a refusal states in full; the others are named only (a model of many
 such layers, MobileViT's, gave a message of 16 kB)."""
+
+
+def _apart_text(leaves: list[Any], dims: list[int | None], n: int | None) -> str:
+    """For a call refused as mismatched: the outputs that hold ``n`` examples along another
+    dimension than read (Opacus's ``DPLSTM``: ``[N, T, H]`` outputs, ``[layers, N, H]``
+    states), which no ``batch_dim`` can describe at once; empty where there are none."""
+    if n is None or n < 2:
+        return ""
+    apart = [
+        f"output {k} along dimension {list(t.shape).index(n)}"
+        for k, (t, d) in enumerate(zip(leaves, dims, strict=False))
+        if isinstance(t, torch.Tensor) and _size(t, d) != n and n in t.shape
+    ]
+    if not apart or len(apart) == len([t for t in leaves if isinstance(t, torch.Tensor)]):
+        return ""
+    return (
+        f"; its outputs hold the examples in different dimensions ({', '.join(apart)}), which "
+        "one batch_dim cannot describe: register a rule for the module "
+        "(@gradkit.per_example.register_rule), or freeze it"
+    )
 
 
 def mismatch_error(problems: list[str]) -> GradkitError:
