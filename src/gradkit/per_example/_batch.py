@@ -645,12 +645,17 @@ def row_order(
         flag = _orders_differ(sources, n, device)
         if flag is not False:
             model.mixed_rows.append(flag)
-    if first is not None:
-        model.walks[first] = (ends, sources)
+    if first is not None:  # each order once (a residual stream's Nones would pile up by layer)
+        model.walks[first] = (_distinct(ends), _distinct(sources))
     moved = [e for e in ends if e is not None]
     if not moved:
         return None
     return moved[0] if len(moved) == 1 else True
+
+
+def _distinct(orders: list[Order]) -> list[Order]:
+    """``orders`` with each object once (None, True or an index tensor), in order."""
+    return list({id(o): o for o in orders}.values())
 
 
 def _orders_differ(orders: list[Order], n: int, device: torch.device) -> Any:
