@@ -434,9 +434,7 @@ _ALONG_DIMS = frozenset(
 _RESHAPE_OPS = frozenset({"View", "UnsafeView", "ReshapeAlias", "Expand"})
 # operations that keep their input's shape and combine its entries along the dimensions they
 # were given (all of them where none is saved): along the examples', every row of the result
-# depends on every example
-_MIXES_ALONG = frozenset(["Cumprod", "Cumsum", "Logcumsumexp", "LogSoftmax", "Softmax"])
-_BATCH_NORMS = frozenset(["NativeBatchNorm", "CudnnBatchNorm", "MiopenBatchNorm"])
+# depends on every example (in words, for messages)
 _MIX_WORDS = {
     "Cumprod": "a cumulative product",
     "Cumsum": "a cumulative sum",
@@ -444,6 +442,8 @@ _MIX_WORDS = {
     "LogSoftmax": "a log-softmax",
     "Softmax": "a softmax",
 }
+_MIXES_ALONG = frozenset(_MIX_WORDS)
+_BATCH_NORMS = frozenset(["NativeBatchNorm", "CudnnBatchNorm", "MiopenBatchNorm"])
 _MIX_CHECKED = _MIXES_ALONG | _BATCH_NORMS | frozenset(_ROWS_OF) | {"Expand", "Repeat"}
 _REACH_LIMIT = 256
 """Nodes :func:`_reaches_examples` visits at most (the graph of a value broadcast onto the
@@ -483,46 +483,42 @@ def _mixing(node: Any, op: str, d: int, rank: int | None, model: ModelCall) -> N
 
     Their per-example gradients are not the examples' own: an example's loss depends on the
     others' activations, which the layers before it see in their rows."""
-    what = None
     if op in _BATCH_NORMS:
         if d == 0 and getattr(node, "_saved_training", False):
             what = "a batch normalization in training mode (F.batch_norm)"
+            _record_mix(what, [node], model)
     elif op in _MIXES_ALONG:
         dims = _saved_dims(node, rank)
         if dims is not None and (rank is not None or all(s >= 0 for s in dims)) and d in dims:
-            what = f"{_MIX_WORDS[op]} over the examples"
+            _record_mix(f"{_MIX_WORDS[op]} over the examples", [node], model)
     elif op in ("Expand", "Repeat"):
         sizes = getattr(node, "_saved_self_sym_sizes", None)
         if sizes is not None and rank is not None:
             k = d - (rank - len(sizes))  # the input's dimension under the examples'
             if k < 0 or sizes[k] == 1:  # one row for every example
                 _broadcast_mix(node.next_functions[0][0], model)
-        return
     elif op in _ROWS_OF and d == 0:
         others = [nxt for k, (nxt, _) in enumerate(node.next_functions) if k != _ROWS_OF[op]]
-        reached = [label for o in others for label in _reaches_examples(o, model)]
-        if reached:
-            model.mixed.append(("a matrix product that sums over the examples (h @ h.T)", reached))
-        return
-    if what is not None:
-        reached = _reaches_examples(node, model)
-        if reached:
-            model.mixed.append((what, reached))
+        _record_mix("a matrix product that sums over the examples (h @ h.T)", others, model)
 
 
 def _broadcast_mix(node: Any, model: ModelCall) -> None:
     """Record in ``model.mixed`` a value broadcast onto a tracked call's input rows (fewer
     rows than examples: a ``mean(0)``, a norm of the whole batch, one example's row
     ``h[:1]``) that is computed from the examples."""
-    reached = _reaches_examples(node, model)
+    what = (
+        "a value computed across the examples and broadcast onto each example's row "
+        "(h - h.mean(0), h / h.norm(), h + h[:1])"
+    )
+    _record_mix(what, [node], model)
+
+
+def _record_mix(what: str, nodes: list[Any], model: ModelCall) -> None:
+    """Record ``what`` in ``model.mixed`` where the graphs of ``nodes`` reach the outputs of
+    tracked calls (the examples it would mix); nothing for weights and constants."""
+    reached = [label for node in nodes for label in _reaches_examples(node, model)]
     if reached:
-        model.mixed.append(
-            (
-                "a value computed across the examples and broadcast onto each example's row "
-                "(h - h.mean(0), h / h.norm(), h + h[:1])",
-                reached,
-            )
-        )
+        model.mixed.append((what, reached))
 
 
 Order = Any
@@ -738,7 +734,7 @@ def _child_dim(node: Any, op: str, d: int, rank: int | None, shape: Any = None) 
     if op in _PER_ENTRY:
         return d
     if op in _THROUGH:
-        return _through_dim(node, op, d, rank, _output_shape(node) if shape is None else shape)
+        return _through_dim(node, op, d, rank, shape)
     if op in _BATCHED:  # a product per example: both operands hold them in dimension 0
         return d if d == 0 else None
     if op == "Cat" and rank is not None:  # along another dimension: every input holds them
