@@ -630,6 +630,30 @@ def test_sequence_linear_weight_gradient_is_summed_from_the_statistics(monkeypat
         assert type(model(x).grad_fn).__name__ != "LinearWithSumsBackward"
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_fused_bias_gradient_is_the_sum_of_the_per_example_ones(monkeypatch, layer) -> None:
+    """A fused layer's bias gradient adds the N per-example bias gradients the rule summed over
+    the positions (no second pass over the N * T output gradient rows): bit for bit their sum,
+    and equal to autograd's to float rounding."""
+    monkeypatch.setattr(_fused, "MIN_PRODUCT", 0)
+    torch.manual_seed(0)
+    if layer == "linear":
+        model: nn.Module = nn.Linear(16, 8)
+        x = torch.randn(6, 50, 16)
+    else:
+        model = nn.Conv1d(4, 8, 3)
+        x = torch.randn(6, 4, 50)
+    model(x).square().sum().backward()
+    plain = model.bias.grad.clone()
+    model.zero_grad(set_to_none=True)
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        out = model(x)
+        assert type(out.grad_fn).__name__.endswith("WithSumsBackward")
+        out.square().sum().backward()
+    assert torch.equal(model.bias.grad, stats["bias"].batch_grad.sum(0))
+    assert_close(model.bias.grad, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
+
+
 def _conv_net(**conv: Any) -> nn.Module:
     return nn.Sequential(nn.Conv2d(2, 4, 3, **conv), nn.Tanh(), nn.Conv2d(4, 3, 3)).double()
 

@@ -30,11 +30,12 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["batch_grad_buffer", "release_buffers", "result_buffer"]
+__all__ = ["batch_grad_buffer", "pool_of", "release_buffers", "result_buffer"]
 
 _KEEP = 2  # buffers per parameter and kind
 _MIN_BYTES = 128 * 2**10
@@ -48,8 +49,11 @@ _POOL: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> {kind: [buffe
 def _holders(t: torch.Tensor) -> tuple[int, int]:
     """The use count of the storage of ``t``, and the Python references to its storage object
     (torch may keep one object per storage: a storage object the user holds adds no use, but
-    references)"""
+    references); ``(-1, -1)`` for storage shared with another process (a tensor sent to one
+    is moved to shared memory) or no longer of the size of ``t`` (``resize_``)."""
     storage = t.untyped_storage()
+    if storage.is_shared() or storage.nbytes() != t.numel() * t.element_size():
+        return -1, -1
     return int(torch._C._storage_Use_Count(storage._cdata)), sys.getrefcount(storage)
 
 
@@ -62,30 +66,52 @@ _LOCK = threading.Lock()  # threads reading statistics take buffers one at a tim
 
 def _free(t: torch.Tensor) -> bool:
     """Whether nothing but the pool's own tensor refers to the storage of ``t``: no tensor,
-    view, storage object or array of the user's in this process, none in another (a tensor
-    sent to one is moved to shared memory), and the storage still of its size (``resize_``)."""
-    if t.is_shared() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return False
+    view, storage object or array of the user's in this process, none in another, and the
+    storage still of its size (see :func:`_holders`)."""
     return _holders(t) == _ALONE
 
 
-def _reused(
-    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, kind: str, min_bytes: int
-) -> torch.Tensor | None:
-    if owner.device.type != "cpu" or not _HAS_USE_COUNT:
+def pool_of(owner: torch.Tensor) -> dict[str, list[torch.Tensor]] | None:
+    """The buffers kept for ``owner`` (a parameter), by kind, or None where nothing is pooled
+    (not on the CPU, or a torch without storage use counts). A caller that takes several
+    buffers looks it up once (the ``pool`` of :func:`batch_grad_buffer` and
+    :func:`result_buffer`: a function giving it, called only for a buffer large enough)."""
+    if not owner.is_cpu or not _HAS_USE_COUNT:
         return None
+    with _LOCK:
+        kinds: dict[str, list[torch.Tensor]] = _POOL.setdefault(owner, {})
+        return kinds
+
+
+Pool = Callable[[], "dict[str, list[torch.Tensor]] | None"]
+
+
+def _reused(
+    owner: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    kind: str,
+    min_bytes: int,
+    pool: Pool | None,
+) -> torch.Tensor | None:
     if math.prod(shape) * dtype.itemsize < min_bytes:
+        return None
+    kinds = pool_of(owner) if pool is None else pool()
+    if kinds is None:
         return None
     if torch.is_inference_mode_enabled():  # its tensors are inference tensors: never kept
         return None
     with _LOCK:  # free, then taken: no other thread in between
-        return _take(owner, shape, dtype, kind)
+        return _take(kinds, owner, shape, dtype, kind)
 
 
 def _take(
-    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, kind: str
+    kinds: dict[str, list[torch.Tensor]],
+    owner: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    kind: str,
 ) -> torch.Tensor:
-    kinds: dict[str, list[torch.Tensor]] = _POOL.setdefault(owner, {})
     kept = kinds.get(kind, [])
     for buf in kept:
         if buf.shape == shape and buf.dtype == dtype and _free(buf):
@@ -99,20 +125,28 @@ def _take(
 
 
 def batch_grad_buffer(
-    owner: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    owner: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    pool: Pool | None = None,
 ) -> torch.Tensor | None:
     """An uninitialized ``shape`` tensor of ``dtype`` for the per-example gradients of
     ``owner`` (a parameter), reused when possible; None where nothing is pooled (not on the
     CPU, under :data:`_MIN_BYTES`, or a torch without storage use counts): the caller
     allocates as before."""
-    return _reused(owner, shape, dtype, "batch_grad", _MIN_BYTES)
+    return _reused(owner, shape, dtype, "batch_grad", _MIN_BYTES, pool)
 
 
-def result_buffer(owner: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor | None:
+def result_buffer(
+    owner: torch.Tensor,
+    dtype: torch.dtype,
+    kind: str,
+    pool: Pool | None = None,
+) -> torch.Tensor | None:
     """An uninitialized tensor shaped like ``owner`` (a parameter) for the statistic ``kind``
     read from a block, reused when possible; None where nothing is pooled (as
     :func:`batch_grad_buffer`, under :data:`_MIN_BYTES`)."""
-    return _reused(owner, tuple(owner.shape), dtype, kind, _MIN_BYTES)
+    return _reused(owner, tuple(owner.shape), dtype, kind, _MIN_BYTES, pool)
 
 
 def release_buffers() -> None:
@@ -135,4 +169,7 @@ def release_buffers() -> None:
         >>> grads.shape
         torch.Size([4, 2, 3])
     """
-    _POOL.clear()
+    with _LOCK:
+        for kinds in _POOL.values():  # also those a running block looked up (pool_of)
+            kinds.clear()
+        _POOL.clear()

@@ -8,19 +8,22 @@ Autograd computes ``sum_n g_n`` by another product of the same cost. While track
 layer's output is handed to :class:`LinearWithSums` or :class:`ConvWithSums` (no
 recomputation: the forward's own output is reused in place), whose backward takes the weight
 gradient as the sum of the per-example gradients the statistics just computed, instead of
-multiplying again. The input's gradient is computed as autograd computes it; so is the bias's
-of a Linear. A convolution's bias gradient is summed over the output gradient: the CPU's
-convolution backward computes the weight's product whenever the bias's is asked for, which is
-the product saved here.
+multiplying again. The input's gradient is computed as autograd computes it. The bias's is the
+sum over examples of the per-example bias gradients the rule already summed over the positions
+(``N`` rows added instead of ``N T``: one pass over the output gradient saved); a convolution's
+would otherwise also need the weight's product, which the CPU's convolution backward computes
+whenever the bias's is asked for.
 
-``p.grad`` of such a weight (and of a convolution's bias) then equals autograd's up to float
-rounding (a sum over examples of per-example products instead of one product over all
-positions: about 1e-7 relative in float32, 1e-16 in float64); every other gradient is
-unchanged. A call in bf16/fp16 (autocast) is not fused (see the tracker's ``_fusable``):
-summed in float32, its weight gradient would differ from autograd's low-precision product by
-that precision's rounding. Where the per-example gradients were not materialized in this
-backward (closed forms sufficed, the layer was called several times, a double backward builds
-a graph through the gradient), the backward computes every gradient as autograd does.
+``p.grad`` of such a weight and bias then equals autograd's up to float rounding (a sum over
+examples of per-example sums instead of one sum over all positions: about 1e-7 of the terms'
+magnitude in float32, 1e-16 in float64; a gradient that cancels to about 0, such as an
+attention key projection's bias under softmax, gets another value of that tiny size); every
+other gradient is unchanged. A call in bf16/fp16 (autocast) is not fused (see the tracker's
+``_fusable``): summed in float32, its weight gradient would differ from autograd's
+low-precision product by that precision's rounding. Where the per-example gradients were not
+materialized in this backward (closed forms sufficed, the layer was called several times, a
+double backward builds a graph through the gradient), the backward computes every gradient as
+autograd does.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ __all__ = ["ConvWithSums", "LinearWithSums", "WeightSum", "fusable_call", "fused
 
 class WeightSum:
     """The sum over examples of the per-example weight gradients of one layer call, filled
-    block by block by the statistics and taken once by the layer's backward."""
+    block by block by the statistics and taken once by the layer's backward; and the bias's,
+    summed from the rule's per-example bias gradients (``bias``)."""
 
-    __slots__ = ("total",)
+    __slots__ = ("bias", "total")
 
     def __init__(self) -> None:
         self.total: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
     def add(self, block: torch.Tensor) -> None:
         """Add ``block.sum(0)`` (``block``: ``[n, *weight.shape]`` per-example gradients)."""
@@ -50,6 +55,10 @@ class WeightSum:
     def take(self) -> torch.Tensor | None:
         total, self.total = self.total, None
         return total
+
+    def take_bias(self) -> torch.Tensor | None:
+        bias, self.bias = self.bias, None
+        return bias
 
 
 class _WithSums(torch.autograd.Function):
@@ -87,15 +96,20 @@ class LinearWithSums(_WithSums):
         wg = w.to(g.dtype)
         if ctx.needs_input_grad[0]:
             gx = (g @ (wg.T if ctx.layout else wg)).to(x.dtype)
+        # a graph of the gradient is wanted (create_graph): autograd's differentiable ops
+        summed = not torch.is_grad_enabled()
         if ctx.needs_input_grad[1]:
             total = ctx.sums.take()
-            if total is not None and not torch.is_grad_enabled():
+            if total is not None and summed:
                 gw = total.to(w.dtype)
             else:  # not materialized, or a graph of the gradient is wanted: multiply
                 g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
                 gw = (x2.T @ g2 if ctx.layout else g2.T @ x2).to(w.dtype)
+        bias = ctx.sums.take_bias()
         if ctx.needs_input_grad[2]:
-            gb = g.reshape(-1, g.shape[-1]).sum(0).to(ctx.bias_dtype)
+            if bias is None or not summed:
+                bias = g.reshape(-1, g.shape[-1]).sum(0)
+            gb = bias.to(ctx.bias_dtype)
         return gx, gw, gb, None, None, None
 
 
@@ -110,6 +124,7 @@ class ConvWithSums(_WithSums):
         stride, padding, dilation, groups = ctx.layout
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         total = ctx.sums.take() if need_w else None
+        bias = ctx.sums.take_bias()
         summed = total is not None and not torch.is_grad_enabled()
         # not summed: every gradient as autograd computes it (bit-for-bit)
         mask = [need_x, need_w and not summed, need_b and not summed]
@@ -133,7 +148,7 @@ class ConvWithSums(_WithSums):
             assert total is not None
             gw = total
             if need_b:
-                gb = g.reshape(g.shape[0], g.shape[1], -1).sum(-1).sum(0)
+                gb = bias if bias is not None else g.reshape(*g.shape[:2], -1).sum(-1).sum(0)
         return (
             gx.to(x.dtype) if gx is not None else None,
             gw.to(w.dtype) if gw is not None else None,

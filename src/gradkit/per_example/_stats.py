@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit.per_example._buffers import batch_grad_buffer, result_buffer
+from gradkit.per_example._buffers import batch_grad_buffer, pool_of, result_buffer
 from gradkit.per_example._grads import PerExampleGrad
 
 __all__ = [
@@ -153,6 +153,8 @@ class PowerSums:
     owner: torch.Tensor | None = None  # the parameter, whose batch_grad storage is reused
     # (module, whether its input rows were the examples in another order): see _batch.row_order
     reordered: list[tuple[str, Any]] = field(default_factory=list)
+    _pool: dict[str, list[torch.Tensor]] | None = field(default=None, repr=False)
+    _pool_found: bool = field(default=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -170,7 +172,13 @@ class PowerSums:
         was given another shape since)."""
         if self.owner is None or self.owner.shape != self.shape:
             return None
-        return result_buffer(self.owner, self.dtype, kind)
+        return result_buffer(self.owner, self.dtype, kind, self.pool)
+
+    def pool(self) -> dict[str, list[torch.Tensor]] | None:
+        """The parameter's buffers (:func:`._buffers.pool_of`), looked up once."""
+        if not self._pool_found and self.owner is not None:
+            self._pool, self._pool_found = pool_of(self.owner), True
+        return self._pool
 
     def storage(self, p: int) -> torch.Tensor | None:
         """Storage for the first sum of ``g**p`` (:meth:`pooled`), or None: the sum exists
@@ -243,7 +251,8 @@ def add_block(
     if keep:  # all blocks are kept anyway: one block, no concatenation later
         chunk_size = max(chunk_size, pe.num_examples)
         if acc.owner is not None and pe.writes_into(acc.dtype):
-            out = batch_grad_buffer(acc.owner, (pe.num_examples, *pe.shape), acc.dtype)
+            shape = (pe.num_examples, *pe.shape)
+            out = batch_grad_buffer(acc.owner, shape, acc.dtype, acc.pool)
     if remaining or need_l2 or keep:
         # the scale may be folded into a factor of the block, unless the layer's backward sums
         # the unscaled blocks (on_block); `out` only where writes_into said so (a user's

@@ -116,7 +116,7 @@ from gradkit.per_example._edge_mean import EdgeMean
 from gradkit.per_example._flat import flatten, unflatten
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._fused import WeightSum, fusable_call, fused_output
-from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._layout import (
     backward_roots,
     call_layout,
@@ -957,6 +957,9 @@ class Tracker(TrackerResults):
         record = pending[0][0]
         if len(pending) == 1 and record.sums is not None and "weight" in pes:
             pes["weight"].on_block = record.sums.add  # the layer's backward sums them
+            bias = pes.get("bias")
+            if isinstance(bias, Materialized):  # summed over positions: N rows to add
+                record.sums.bias = bias.grads.sum(0)  # before the statistics square them
         left_out = self._left_out
         for local, p in st.params.items():
             pid = st.pids[local]
