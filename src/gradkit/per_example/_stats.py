@@ -188,13 +188,14 @@ class PowerSums:
     def add_sum(
         self, p: int, value: torch.Tensor, alpha: float = 1.0, *, owned: bool = False
     ) -> None:
-        """Add ``alpha * value`` to the sum of ``g**p``. ``value`` is never modified; with
-        ``owned=True`` (a fresh tensor nothing else holds) a first value is kept as is."""
+        """Add ``alpha * value`` to the sum of ``g**p``. ``value`` is not modified, unless
+        ``owned=True`` (a fresh tensor nothing else holds): a first value is then kept, scaled
+        in place."""
         value = as_dtype(value, self.dtype)
         if p in self.sums:
             self.sums[p].add_(value, alpha=alpha)
-        elif owned and alpha == 1.0:
-            self.sums[p] = value
+        elif owned:
+            self.sums[p] = value if alpha == 1.0 else value.mul_(alpha)
         else:  # the copy in reused storage: a fresh one faults its pages in (0.3 ms for 1.6 MB)
             out = self.storage(p) if value.shape == self.shape else None
             self.sums[p] = torch.mul(value, alpha, out=out)
@@ -267,29 +268,35 @@ def add_block(
         for block, scaled in blocks:
             if pe.on_block is not None:
                 pe.on_block(block)
-            g = as_dtype(block, acc.dtype)  # fresh blocks are scaled and squared in place
-            if g is block and not pe.owned:  # a copy, scaled on the way where it must be
-                g = g * scale if scale != 1.0 and not scaled else g.clone()
-            elif scale != 1.0 and not scaled:
-                g.mul_(scale)
+            g = as_dtype(block, acc.dtype)
+            fresh = g is not block or pe.owned  # may be scaled and squared in place
+            # a block not kept stays unscaled: scale**p goes on its sums (N times smaller)
+            late = 1.0 if keep or scaled else scale
+            if keep and scale != 1.0 and not scaled:
+                g = g.mul_(scale) if fresh else g * scale
+            elif keep and not fresh:  # kept: the statistics' own copy
+                g = g.clone()
             if keep:
                 acc.grads.append(g)
             squares = None
             for p in remaining:
                 if p == 1:
-                    acc.add_sum(1, torch.sum(g, 0, out=acc.storage(1)), owned=True)
+                    total = torch.sum(g, 0, out=acc.storage(1))
                 elif p == 2 and not keep and p == remaining[-1]:
-                    squares = g.square_()  # the last use of the block, but for the norms
-                    acc.add_sum(2, torch.sum(squares, 0, out=acc.storage(2)), owned=True)
+                    # the last use of the block, but for the norms
+                    squares = g.square_() if fresh else g.square()
+                    total = torch.sum(squares, 0, out=acc.storage(2))
                 else:
-                    acc.add_sum(p, torch.sum(g.pow(p), 0, out=acc.storage(p)), owned=True)
+                    total = torch.sum(g.pow(p), 0, out=acc.storage(p))
+                acc.add_sum(p, total, alpha=late**p, owned=True)
             if need_l2:
                 # reshape, not flatten(1): a 0-dim parameter's blocks are [n]
                 if squares is None:
                     flat = g.reshape(g.shape[0], -1)
-                    acc.l2.append(torch.linalg.vector_norm(flat, dim=1).square())
+                    l2 = torch.linalg.vector_norm(flat, dim=1).square()
                 else:
-                    acc.l2.append(squares.reshape(g.shape[0], -1).sum(1))
+                    l2 = squares.reshape(g.shape[0], -1).sum(1)
+                acc.l2.append(l2.mul_(late**2) if late != 1.0 else l2)
     acc.n += pe.num_examples
 
 
