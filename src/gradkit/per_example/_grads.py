@@ -202,21 +202,23 @@ class OuterProduct(PerExampleGrad):
     ) -> torch.Tensor | None:
         if self.T != 1:
             return None
-        a, g = self.A[:, 0], self.G[:, 0]  # [N, groups, i], [N, groups, o]
         if p == 2:
-            a, g = self._squares()
-        elif p != 1:
-            a, g = a.pow(p), g.pow(p)
+            a, g = self._squares()  # [N, groups, i], [N, groups, o]
+        else:
+            a, g = self.A[:, 0], self.G[:, 0]
+            if p != 1:
+                a, g = a.pow(p), g.pow(p)
         if self.groups == 1:  # the scale rides in the product (addmm's alpha)
             g2d, a2d = g[:, 0], a[:, 0]
             into = None
             if out is not None and out.dtype == a2d.dtype and out.is_contiguous():
-                into = out.view(self.o, self.i)
+                into = out if out.shape == (self.o, self.i) else out.view(self.o, self.i)
             if scale == 1.0:
-                return torch.mm(g2d.T, a2d, out=into).view(self.shape)
-            empty = g2d.new_empty(())  # beta=0: never read
-            product = torch.addmm(empty, g2d.T, a2d, beta=0, alpha=scale**p, out=into)
-            return product.view(self.shape)
+                product = torch.mm(g2d.T, a2d, out=into)
+            else:  # beta=0: the input is never read (nor its NaNs)
+                empty = into if into is not None else g2d.new_empty(())
+                product = torch.addmm(empty, g2d.T, a2d, beta=0, alpha=scale**p, out=into)
+            return out if into is not None else product.view(self.shape)
         if scale != 1.0:  # on the smaller factor, before the product
             g = g * scale**p
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
