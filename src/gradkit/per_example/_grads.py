@@ -25,7 +25,24 @@ import torch
 
 from gradkit._errors import describe, message
 
-__all__ = ["BiasOf", "Materialized", "OuterProduct", "PerExampleGrad", "cat_positions"]
+__all__ = ["BiasOf", "Materialized", "OuterProduct", "PerExampleGrad", "cat_positions", "powered"]
+
+LATE_POWERS = 2
+"""The highest power ``p`` whose ``scale ** p`` may multiply a sum of unscaled ``g ** p``
+instead of scaling ``g`` first. Squares keep float32's range for any scale a loss or a gradient
+scaler applies (a GradScaler's 65536 squared is 4e9); higher powers do not (65536 to the 8th
+is 3e38, float32's largest number, and ``(g / N) ** 4`` at N = 2048 falls among the
+subnormals): there the scale goes on ``g`` before the power."""
+
+
+def powered(t: torch.Tensor, p: int, scale: float) -> tuple[torch.Tensor, float]:
+    """``(t', alpha)`` with ``alpha * t' == (scale * t) ** p``: the scale kept as a factor for
+    the caller's (smaller) sum up to :data:`LATE_POWERS`, applied to ``t`` first above."""
+    if p == 1:
+        return t, scale
+    if p <= LATE_POWERS or scale == 1.0:
+        return t.pow(p), scale**p
+    return (t * scale).pow_(p), 1.0
 
 
 def cat_positions(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -128,8 +145,9 @@ class Materialized(PerExampleGrad):
     ) -> torch.Tensor | None:
         if out is not None and out.dtype != self.grads.dtype:
             out = None
-        total = torch.sum(self.grads.pow(p) if p != 1 else self.grads, 0, out=out)
-        return total.mul_(scale**p) if scale != 1.0 else total
+        values, alpha = powered(self.grads, p, scale)
+        total = torch.sum(values, 0, out=out)
+        return total.mul_(alpha) if alpha != 1.0 else total
 
     def sq_norms(self) -> torch.Tensor | None:
         # reshape, not flatten(1): a 0-dim parameter's gradients are [N]
@@ -204,23 +222,23 @@ class OuterProduct(PerExampleGrad):
             return None
         if p == 2:
             a, g = self._squares()  # [N, groups, i], [N, groups, o]
-        else:
-            a, g = self.A[:, 0], self.G[:, 0]
-            if p != 1:
-                a, g = a.pow(p), g.pow(p)
+            alpha = scale**2
+        else:  # the scale on G (see powered)
+            a = self.A[:, 0] if p == 1 else self.A[:, 0].pow(p)
+            g, alpha = powered(self.G[:, 0], p, scale)
         if self.groups == 1:  # the scale rides in the product (addmm's alpha)
             g2d, a2d = g[:, 0], a[:, 0]
             into = None
             if out is not None and out.dtype == a2d.dtype and out.is_contiguous():
                 into = out if out.shape == (self.o, self.i) else out.view(self.o, self.i)
-            if scale == 1.0:
+            if alpha == 1.0:
                 product = torch.mm(g2d.T, a2d, out=into)
             else:  # beta=0: the input is never read (nor its NaNs)
                 empty = into if into is not None else g2d.new_empty(())
-                product = torch.addmm(empty, g2d.T, a2d, beta=0, alpha=scale**p, out=into)
+                product = torch.addmm(empty, g2d.T, a2d, beta=0, alpha=alpha, out=into)
             return out if into is not None else product.view(self.shape)
-        if scale != 1.0:  # on the smaller factor, before the product
-            g = g * scale**p
+        if alpha != 1.0:  # on the smaller factor, before the product
+            g = g * alpha
         return torch.einsum("ngo,ngi->goi", g, a).reshape(self.shape)
 
     def _squares(self) -> tuple[torch.Tensor, torch.Tensor]:

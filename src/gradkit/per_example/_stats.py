@@ -23,7 +23,7 @@ import torch
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._buffers import batch_grad_buffer, pool_of, result_buffer
-from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._grads import LATE_POWERS, PerExampleGrad
 
 __all__ = [
     "QUANTITIES",
@@ -270,11 +270,16 @@ def add_block(
                 pe.on_block(block)
             g = as_dtype(block, acc.dtype)
             fresh = g is not block or pe.owned  # may be scaled and squared in place
-            # a block not kept stays unscaled: scale**p goes on its sums (N times smaller)
-            late = 1.0 if keep or scaled else scale
-            if keep and scale != 1.0 and not scaled:
-                g = g.mul_(scale) if fresh else g * scale
-            elif keep and not fresh:  # kept: the statistics' own copy
+            # a block not kept stays unscaled: scale**p goes on its sums (N times smaller),
+            # up to the powers where that keeps float's range (see _grads.powered)
+            late = 1.0
+            if scale != 1.0 and not scaled:
+                if not keep and all(p <= LATE_POWERS for p in remaining):
+                    late = scale
+                else:
+                    g = g.mul_(scale) if fresh else g * scale
+                    fresh = True
+            if keep and not fresh:  # kept: the statistics' own copy
                 g = g.clone()
             if keep:
                 acc.grads.append(g)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gradkit._errors import GradkitError, message
-from gradkit.per_example._grads import PerExampleGrad
+from gradkit.per_example._grads import PerExampleGrad, powered
 from gradkit.per_example._registry import RuleContext, Use, register_rule
 from gradkit.per_example._stats import statistics_dtype
 
@@ -68,12 +68,12 @@ class EmbeddingGrad(PerExampleGrad):
     def power_sum(
         self, p: int, scale: float = 1.0, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        vals = self.rows if p == 1 else self.rows.pow(p)
+        vals, alpha = powered(self.rows, p, scale)
         if out is None or out.dtype != vals.dtype:
             out = vals.new_zeros(self.shape)
         else:
             out.zero_()
-        return out.index_add_(0, self.row, vals, alpha=scale**p)
+        return out.index_add_(0, self.row, vals, alpha=alpha)
 
     def sq_norms(self) -> torch.Tensor:
         return self.rows.new_zeros(self.num_examples).index_add_(
