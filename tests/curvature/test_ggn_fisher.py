@@ -156,6 +156,25 @@ def test_exact_hessian_diagonal_of_sequential_mlps_and_the_unit_vector_fallback(
         diagonal(H, max_size=10)
 
 
+@pytest.mark.parametrize(
+    "act",
+    [nn.ReLU, nn.ELU, lambda inplace: nn.LeakyReLU(0.1, inplace), nn.Hardtanh, nn.SiLU],
+    ids=["relu", "elu", "leaky_relu", "hardtanh", "silu"],
+)
+def test_exact_diagonals_of_mlps_with_in_place_activations(act):
+    """An activation with inplace=True writes into its input: the MLP sweep keeps its own
+    pre-activations (autograd refused the in-place change of its leaf, in a bare error)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    parts = [(x, y)]
+    model = nn.Sequential(nn.Linear(3, 5), act(inplace=True), nn.Linear(5, 2)).to(D)
+    H, G = Hessian(model, F.cross_entropy, parts), GGN(model, F.cross_entropy, parts)
+    want_h = dense_hessian(model, F.cross_entropy, parts)
+    assert_close(diagonal(H).value, want_h.diagonal())
+    assert_close(trace(H, method="exact").value, want_h.trace())
+    assert_close(diagonal(G).value, dense_ggn(model, F.cross_entropy, (x, y)).diagonal())
+
+
 def test_exact_diagonal_refuses_what_it_cannot_do():
     model, _, (x, y) = mse_problem(n=6)
     coupled = lambda o, t: ((o - t).sum(0) ** 2).sum()  # mixes examples

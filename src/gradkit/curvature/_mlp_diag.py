@@ -86,10 +86,17 @@ def mlp_layers(model: nn.Module) -> list[nn.Module] | None:
     return layers
 
 
+def _own(layer: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """``z``, or a copy of it for an activation that writes its output into its input
+    (``inplace=True``): the sweep keeps the pre-activations, and autograd refuses an in-place
+    change of a leaf that requires grad."""
+    return z.clone() if getattr(layer, "inplace", False) else z
+
+
 def _derivatives(layer: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     z = z.detach().requires_grad_(True)
     with torch.enable_grad():
-        (d1,) = torch.autograd.grad(layer(z).sum(), z, create_graph=True)
+        (d1,) = torch.autograd.grad(layer(_own(layer, z)).sum(), z, create_graph=True)
         d2 = None
         if d1.requires_grad:
             (d2,) = torch.autograd.grad(d1.sum(), z, allow_unused=True)
@@ -154,7 +161,7 @@ def _slope(layer: nn.Module, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor
         return torch.where(z > 0, torch.ones_like(z), torch.full_like(z, layer.negative_slope))
     z = z.detach().requires_grad_(True)
     with torch.enable_grad():
-        y = layer(z)
+        y = layer(_own(layer, z))
         if not y.requires_grad:  # constant in z (e.g. a step function)
             return torch.zeros_like(z)
         (d1,) = torch.autograd.grad(y.sum(), z)
@@ -180,7 +187,7 @@ def _forward(layers: list[nn.Module], inputs: Any, slopes: bool) -> Any:
                 saved.append((layer, h, None))
                 h = layer(h)
                 continue
-            out = layer(h)
+            out = layer(_own(layer, h))
             saved.append((layer, h, _slope(layer, h, out) if slopes else _derivatives(layer, h)))
             h = out
     return h, saved
