@@ -154,6 +154,56 @@ def test_rows_sorted_for_packing_and_restored(sort_here: bool) -> None:
             assert_close(stats[name].batch_grad, g, rtol=1e-8, atol=1e-12)
 
 
+class BiGRU(nn.Module):
+    """Both directions' last states of a bidirectional GRU on a packed embedding, combined for
+    the head (``flip``: one of them with its rows reversed: each row then mixes two examples)."""
+
+    def __init__(self, combine: str) -> None:
+        super().__init__()
+        self.combine = combine
+        self.emb = nn.Embedding(9, 4)
+        self.rnn = nn.GRU(4, 5, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(10 if combine != "sum" else 5, 3)
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(
+            self.emb(ids), lengths, batch_first=True, enforce_sorted=False
+        )
+        _, h = self.rnn(packed)
+        if self.combine == "cat":
+            return self.head(torch.cat([h[-2], h[-1]], -1))
+        if self.combine == "sum":
+            return self.head(h[0] + h[1])
+        return self.head(torch.cat([h[-2], h[-1].flip(0)], -1))
+
+
+@pytest.mark.parametrize("combine", ["cat", "sum", "flip"])
+def test_one_order_reached_along_two_paths_is_that_order(combine: str) -> None:
+    """The walk reaches the GRU's output (rows in the examples' order, unsorted from the packed
+    order) through two selections: one order, not a reordering (it was refused)."""
+    torch.manual_seed(0)
+    model = BiGRU(combine).to(D)
+    ids = torch.randint(1, 9, (N, 5))
+    lengths = torch.tensor([2, 5, 3, 4])
+    y = torch.randint(0, 3, (N,))
+    with track(model, "batch_grad", loss_reduction="sum") as stats:
+        F.cross_entropy(model(ids, lengths), y, reduction="sum").backward()
+    if combine == "flip":
+        with pytest.raises(GradkitError, match=r"input of head \(Linear\) combining the rows"):
+            _ = stats["head.weight"].batch_grad
+        return
+    want = {}
+    for i in range(N):  # each example alone, on its own length
+        loss = F.cross_entropy(
+            model(ids[i : i + 1, : lengths[i]], lengths[i : i + 1]), y[i : i + 1]
+        )
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
+            want.setdefault(name, []).append(g)
+    for name, gs in want.items():
+        assert_close(stats[name].batch_grad, torch.stack(gs), rtol=1e-8, atol=1e-12, name=name)
+
+
 def test_reordered_rows_used_by_two_layers_flag_both() -> None:
     """The walk of the second layer's input goes through the same reordering as the first's
     (a cache of nodes seen in order once let the second through)."""

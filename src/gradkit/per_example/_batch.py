@@ -643,7 +643,9 @@ def row_order(
             model.mixed_rows.append(flag)
     if first is not None:  # each order once (a residual stream's Nones would pile up by layer)
         model.walks[first] = (_distinct(ends), _distinct(sources))
-    moved = [e for e in ends if e is not None]
+    # one order reached along several paths (both directions of a GRU's final state, each
+    # selected and concatenated) is that order
+    moved = _distinct([e for e in ends if e is not None])
     if not moved:
         return None
     return moved[0] if len(moved) == 1 else True
