@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full_float32", "tf32", "without_cudnn_rnn"]
+__all__ = ["Autocast", "autocast_as", "autocast_state", "full_float32", "tf32", "without_cudnn_rnn"]
 
 # torch >= 2.9 sets TF32 per backend and operator (fp32_precision: "tf32", "ieee" or "none",
 # the latter following its parent); its legacy allow_tf32 flags raise when read after that API
@@ -91,3 +91,28 @@ def without_cudnn_rnn(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.enabled = True
+
+
+Autocast = tuple[tuple[str, torch.dtype], ...]
+"""The autocast regions a call ran in: ``(device type, dtype)`` per enabled one."""
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> Autocast:
+    """The autocast regions enabled now (none: ``()``)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+@contextlib.contextmanager
+def autocast_as(state: Autocast) -> Iterator[None]:
+    """Re-enter the autocast regions of ``state`` (a call recomputed outside them, as the
+    fallback's per-example re-runs in the backward pass, computes in the dtypes it saw)."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield

@@ -876,6 +876,52 @@ def test_layers_under_bf16_autocast(monkeypatch, device, layers) -> None:
             assert_close(st[k].variance.double(), want, rtol=1e-4, atol=1e-5 * scale)
 
 
+class _LastStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.rnn, self.head = (
+            nn.Linear(3, 4),
+            nn.GRU(4, 4, batch_first=True),
+            nn.Linear(4, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.inp(x))[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["prelu", "gru"])
+def test_fallback_modules_under_bf16_autocast(device, kind) -> None:
+    """A module under the vmap fallback (PReLU, GRU) whose input is bf16 (a Linear's output
+    under autocast) is re-run per example in the backward pass, outside the autocast region:
+    the re-run raised torch's dtype errors (wrapped in advice about batch_dim). It is re-run in
+    the regions the call ran in."""
+    torch.manual_seed(0)
+    if kind == "prelu":
+        model: nn.Module = nn.Sequential(nn.Linear(3, 4), nn.PReLU(), nn.Linear(4, 1))
+        x = torch.randn(6, 3)
+    else:
+        model = _LastStep()
+        x = torch.randn(6, 5, 3)
+    y = torch.randn(6, 1)
+
+    def loss(rows: slice) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(x[rows])
+        return (out.float() - y[rows]).pow(2).sum()
+
+    want: dict[str, list[torch.Tensor]] = {}
+    for i in range(6):  # each example alone, under the same autocast
+        grads = torch.autograd.grad(loss(slice(i, i + 1)), list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
+            want.setdefault(name, []).append(g)
+    with track(model, "variance", "batch_grad", loss_reduction="sum") as stats:
+        loss(slice(0, 6)).backward()
+    for name, gs in want.items():
+        g = torch.stack(gs).double()
+        scale = float(g.abs().max())  # bf16 products, batched or one example at a time
+        assert_close(stats[name].batch_grad.double(), g, rtol=3e-2, atol=3e-2 * scale, name=name)
+
+
 class TiedHead(nn.Module):
     """An embedding tied to the output layer, as GPT-2's ``wte`` and ``lm_head``."""
 

@@ -43,6 +43,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from gradkit._autograd import signed
 from gradkit._errors import GradkitError, message
+from gradkit._precision import Autocast, autocast_state
 from gradkit.per_example._flat import flatten, unflatten
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._layout import CallLayout
@@ -137,6 +138,8 @@ class Dims:
     for the fallback to check that each example's re-run gives its row; None: not checked."""
     versions: list[int] | None = None
     """Their version counters then: a leaf modified in place since cannot be checked."""
+    autocast: Autocast = ()
+    """The autocast regions the call ran in, re-entered for the fallback's re-runs."""
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Call:
     # batched by its sizes only: its inputs were made inside the model, with as many rows as it
     # has examples by coincidence (positions arange(T) with T == N); see check_broadcast_consumers
     made_inside: bool = False
+    autocast: Autocast = ()  # the fallback's: the autocast regions the call ran in (see Dims)
 
 
 def _merged(
@@ -1220,9 +1224,11 @@ def split_call(
     cargs, ckwargs = unflatten(captured, in_spec)
     replaced = unflatten(new_out, out_spec) if mode != "batched" else None
     values = versions = None
-    if not batch_first:  # the fallback checks its re-runs against these
+    autocast: Autocast = ()
+    if not batch_first:  # the fallback checks its re-runs against these, computed as these were
         values = [t.detach() if isinstance(t, torch.Tensor) else None for t in new_out]
         versions = [t._version if t is not None else -1 for t in values]
+        autocast = autocast_state()
     return Call(
         n,
         cargs,
@@ -1236,6 +1242,7 @@ def split_call(
         values=values,
         versions=versions,
         made_inside=made_inside,
+        autocast=autocast,
     )
 
 

@@ -472,7 +472,9 @@ def rule_view(call: Call, grads: list[torch.Tensor | None], native: bool) -> Use
     """The rule's view of one call: batch-first tensors for rules, the call as the module saw
     it (with its dims) for the fallback."""
     if native:
-        dims = Dims(call.in_dims, call.out_dims, call.added, call.values, call.versions)
+        dims = Dims(
+            call.in_dims, call.out_dims, call.added, call.values, call.versions, call.autocast
+        )
         return Use(call.args, grads, call.kwargs, dims)
     return Use(call.args, unflatten(grads, call.out_spec), call.kwargs)
 

@@ -33,7 +33,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradkit._errors import GradkitError, message
-from gradkit._precision import without_cudnn_rnn
+from gradkit._precision import autocast_as, without_cudnn_rnn
 from gradkit.per_example._batch import Dims
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._registry import RuleContext, Use
@@ -371,7 +371,9 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     versions = {name: b._version for name, b in module.named_buffers()}
     with torch.enable_grad(), _without_onednn(), without_cudnn_rnn(module):
         for u in uses:
-            grads = _per_example_vjp(module, names, params, u, ctx.reruns, scratch)
+            # in the autocast regions the call ran in (the backward runs outside them)
+            with autocast_as(u.dims.autocast if u.dims is not None else ()):
+                grads = _per_example_vjp(module, names, params, u, ctx.reruns, scratch)
             totals = (
                 list(grads)
                 if totals is None
