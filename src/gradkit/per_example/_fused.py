@@ -96,7 +96,7 @@ class LinearWithSums(_WithSums):
         wg = w.to(g.dtype)
         if ctx.needs_input_grad[0]:
             gx = (g @ (wg.T if ctx.layout else wg)).to(x.dtype)
-        # a graph of the gradient is wanted (create_graph): autograd's differentiable ops
+        # the sums serve unless a graph of the gradient is wanted (create_graph)
         summed = not torch.is_grad_enabled()
         if ctx.needs_input_grad[1]:
             total = ctx.sums.take()
