@@ -135,3 +135,39 @@ def test_rows_flattened_from_examples_first_are_exact_when_t_equals_n() -> None:
         loss(model(x), y).backward()
     for name, g in want.items():
         assert_close(stats[name].batch_grad, g, rtol=1e-10, atol=1e-12)
+
+
+class TimeMean(nn.Module):
+    """Sequence-first activations ``[T, N, F]`` reduced over time (``mean(0)``) or read at the
+    last step (``[-1]``) for the head: with T == N the sizes cannot tell time from examples."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+        self.a, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.head(h.mean(0) if self.read == "mean" else h[-1])
+
+
+@pytest.mark.parametrize("read", ["mean", "last"])
+def test_sequence_first_activations_with_as_many_steps_as_examples(read: str) -> None:
+    """Without batch_dim the layer's output [T, N, F] reads as [N, T, F]: its mean over time
+    looks like a per-example mean, and a's per-example gradients came out 58 % off. The walk
+    from the head finds the examples in dimension 1 of a's output, which its call holds in
+    dimension 0, and refuses; with batch_dim=1 every statistic is the loop's."""
+    torch.manual_seed(0)
+    model = TimeMean(read).to(D)
+    x, y = torch.randn(4, 4, 3, dtype=D), torch.randint(0, 2, (4,))
+    refused = pytest.raises(GradkitError, match=r"batch_dim: .*dimension 1 of the output of a")
+    with refused, track(model, "batch_grad", loss_reduction="sum"):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    model.zero_grad()
+    with track(model, "batch_grad", loss_reduction="sum", batch_dim={"a": 1, "head": 0}) as st:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    want = per_example_grads(
+        model, lambda out, t: F.cross_entropy(out, t, reduction="sum"), x, y, batch_dim=1
+    )
+    for name, g in want.items():
+        assert_close(st[name].batch_grad, g, rtol=1e-10, atol=1e-12, name=name)

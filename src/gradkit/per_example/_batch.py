@@ -100,6 +100,15 @@ class ModelCall:
     # later call's walk that reaches it stops there (a residual stream is walked once, not
     # once per layer after it)
     walks: dict[tuple[Any, int], tuple[list[Any], list[Any]]] = field(default_factory=dict)
+    # tracked calls whose output a walk reached with the examples in another dimension than
+    # the call holds them in: (its label, the dimension found, the call's)
+    apart: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def arrive(self, node: Any, dim: int) -> None:
+        """A walk reached ``node`` (a tracked call's output) with the examples in ``dim``."""
+        held, label = self.dims[node]
+        if held != dim:
+            self.apart.append((label, dim, held))
 
     def adopt(self, leaves: list[Any], dims: list[int | None]) -> None:
         """At the first tracked call: if it takes the model's input itself and its documented
@@ -550,6 +559,7 @@ def row_order(
         if start is None:
             return None
         if start in model.dims:
+            model.arrive(start, dim)
             return model.row_orders.get(start)
         op = _op(start)
         nexts = start.next_functions
@@ -583,6 +593,7 @@ def row_order(
             prior = model.row_orders.get(node) if node is not None else None
             ends.append(_compose(prior, order))
             if node is not None:
+                model.arrive(node, d)
                 sources.append(ends[-1])
             continue
         done = model.walks.get((node, d))
@@ -1310,6 +1321,27 @@ def mismatch_error(problems: list[str]) -> GradkitError:
             "examples or sees them merged with other rows untraceably (examples times windows, "
             "patches or heads; [T, N, d] flattened to [T * N, d]) cannot be split: freeze its "
             "parameters (requires_grad_(False)) or register a rule for it",
+        )
+    )
+
+
+def apart_error(label: str, apart: list[tuple[str, int, int]]) -> GradkitError:
+    """The error for a tracked call whose input holds the examples of an earlier call's output
+    in another dimension than that call does (see ``ModelCall.arrive``)."""
+    earlier, found, held = apart[0]
+    return GradkitError(
+        message(
+            "per_example.track(model, ...)",
+            "batch_dim",
+            "the examples in the same dimension of a layer's output for the layer and for "
+            "the operations after it",
+            f"the input of {label} built from dimension {found} of the output of {earlier}, "
+            f"which holds the examples in dimension {held} by the layout batch_dim gives it "
+            f"(a reduction, an index or a selection along its dimension {held}: "
+            "sequence-first activations [T, N, ...] read as [N, T, ...], whose sizes cannot "
+            "tell them apart where T == N)",
+            "pass batch_dim where the examples are (batch_dim=1 for a sequence-first model, or "
+            "a dict per module), or use batch-first layers",
         )
     )
 

@@ -87,6 +87,7 @@ from gradkit._validate import (
 )
 from gradkit.per_example._batch import (
     ModelCall,
+    apart_error,
     check_broadcast_consumers,
     counted_again_error,
     disagree_error,
@@ -711,6 +712,8 @@ class Tracker(TrackerResults):
             orders = [row_order(args[0].grad_fn, 0, model, args[0].device)]
         else:
             orders = self._input_orders(args, kwargs, layout, model, simple)
+        if model.apart:
+            raise apart_error(st.label, model.apart)
         if model.mixed:
             raise mixed_error(st.label, model.mixed)
         if model.mixed_rows:  # read with the statistics (no host sync here)
