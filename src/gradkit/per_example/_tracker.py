@@ -1115,6 +1115,30 @@ class Tracker(TrackerResults):
                 )
             )
 
+    def _check_modules_kept(self, unreached: set[int]) -> None:
+        """Refuse a pass that left out a tracked module because the model no longer holds it
+        (replaced inside the block: the hooks are on the module the block began with, so its
+        replacement would get no statistics and the module replaced a 0 for every example)."""
+        for st in self._states:
+            if unreached.isdisjoint(st.pids.values()):
+                continue
+            try:
+                now = self._model.get_submodule(st.name) if st.name else self._model
+            except AttributeError:
+                now = None
+            if now is not st.module:
+                got = "removed" if now is None else f"replaced by another {type(now).__name__}"
+                raise GradkitError(
+                    message(
+                        "per_example.track(model, ...)",
+                        "model",
+                        "the modules the track block began with (its hooks are on them)",
+                        f"{st.label} {got} inside the block: the new module's parameters "
+                        "would get no statistics, and the old one's a 0 for every example",
+                        "start a new track block after changing the model's modules",
+                    )
+                )
+
     def _finalize(self) -> None:
         self._pass_end = None
         if not self._active:
@@ -1173,9 +1197,11 @@ class Tracker(TrackerResults):
                 self._add_later(later, deferred)
         n = next(iter(sizes.values()), 0)
         left_out = self._left_out
-        for pid, acc in self._accs.items():  # not reached by this loss: 0 for each example
-            if pid not in reached and pid not in left_out:
-                acc.add_zeros(n, self._want)
+        unreached = [pid for pid in self._accs if pid not in reached and pid not in left_out]
+        if unreached and n:
+            self._check_modules_kept(set(unreached))
+        for pid in unreached:  # not reached by this loss: 0 for each example
+            self._accs[pid].add_zeros(n, self._want)
 
     def _add_later(
         self,
