@@ -40,7 +40,23 @@ def _add_no_grad(model, batch):
         model[0].weight.mul_(1.1)
 
 
-CHANGES = {"sgd-step": _step, "data-edit": _edit_data, "add-no-grad": _add_no_grad}
+def _new_parameter(model, batch):
+    # the old tensor keeps its version and values: only its identity tells (products were the
+    # old model's, 3.0 off)
+    model[2].weight = nn.Parameter(torch.randn(2, 4, dtype=D))
+
+
+def _swap_layer(model, batch):
+    model[2] = nn.Linear(4, 2).to(D)
+
+
+CHANGES = {
+    "sgd-step": _step,
+    "data-edit": _edit_data,
+    "add-no-grad": _add_no_grad,
+    "new-parameter": _new_parameter,
+    "swap-layer": _swap_layer,
+}
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

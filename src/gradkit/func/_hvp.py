@@ -25,7 +25,7 @@ from gradkit._autograd import first_grads
 from gradkit._autograd import second_grads as _second_grads
 from gradkit._errors import GradkitError, describe, message
 from gradkit._forward_ad import load_decompositions
-from gradkit._state import TensorState, graph_leaves
+from gradkit._state import TensorState, graph_leaves, named_state
 from gradkit._validate import (
     check_bool,
     check_callable,
@@ -217,6 +217,10 @@ class HVPOperator:
             track = [(f"argument {i}", x) for i, x in enumerate(self._xs)]
             track += [(f"captured {describe(t)}", t) for t in captured]
         self._state = TensorState(track, modules=modules)
+        # the model's parameters and buffers by object: one replaced (a new nn.Parameter, a layer
+        # swapped) leaves the kept graph on the old one, whose state never changes
+        self._model = modules
+        self._objects = self._model_objects()
         self._rebuild = rebuild
         self._sizes = [x.numel() for x in self._xs]
         self._shapes = (
@@ -273,9 +277,18 @@ class HVPOperator:
         """``H v`` for a flat vector ``v`` of shape ``[n]``."""
         return self._apply(self._check_vector(v))
 
+    def _model_objects(self) -> list[tuple[str, int]] | None:
+        if self._model is None:
+            return None
+        return [(label, id(t)) for label, t in named_state(self._model)]
+
     def _check_current(self) -> None:
         """Refuse products after the point changed: the kept graph holds the old values."""
-        why = self._state.changed()
+        why = None
+        if self._model is not None and self._model_objects() != self._objects:
+            why = "a parameter or buffer of the model was replaced by another object, as "
+            why += "assigning a new nn.Parameter or swapping a layer does,"
+        why = why or self._state.changed()
         if why is not None:
             raise GradkitError(
                 f"{self._call} @ v: the operator was built at other values ({why} after it "
