@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
+from gradkit._layouts import sequence_first_layer
 from gradkit._sharded import fsdp2_modules, is_dtensor, local, refuse_fsdp1
 from gradkit._validate import check_choice, check_module
 from gradkit.accumulate._batches import batch_size, split_batch
@@ -49,7 +50,6 @@ from gradkit.accumulate._micro_checks import (
     prepare_fsdp2,
     read_counts,
     resolve_count,
-    sequence_first_layer,
 )
 from gradkit.accumulate._window import (
     all_reduce_grads,

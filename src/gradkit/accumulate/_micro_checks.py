@@ -266,16 +266,6 @@ def batch_statistics_node(loss: torch.Tensor) -> str | None:
     return None
 
 
-def sequence_first_layer(model: nn.Module) -> str | None:
-    """``"name (Class)"`` of the first layer of ``model`` that takes its examples along
-    dimension 1 by default: an ``nn.RNN``/``LSTM``/``GRU`` or an ``nn.MultiheadAttention``
-    (inside ``nn.Transformer*`` layers too) with ``batch_first=False``; None if there is none."""
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) and not m.batch_first:
-            return f"{name or 'model'} ({type(m).__name__})"
-    return None
-
-
 def check_loss(loss: Any, call: str) -> None:
     """A micro-step's loss: a real floating-point scalar that requires grad."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -26,6 +26,7 @@ from torch import nn
 
 from gradkit._autograd import graph_nodes, second_order_suspect
 from gradkit._errors import describe, message
+from gradkit._layouts import sequence_first_layer
 from gradkit._params import LossFn
 from gradkit._params import select_params as choose
 from gradkit._validate import check_choice
@@ -226,6 +227,11 @@ class Data:
             )
         self._batches = data
         self.num_examples, self._divisors = self._count()
+        self.warn_sequence_first(
+            "batches are weighed by the examples of each",
+            "Pass batch-first batches (transposed outside the model), or one batch.",
+            stacklevel=3,
+        )
         if self.num_examples == 0:
             raise ValueError(
                 message(
@@ -406,6 +412,19 @@ class Data:
                 )
             )
         return loss if loss.dim() == 0 else loss.reshape(())
+
+    def warn_sequence_first(self, what: str, fix: str, stacklevel: int) -> None:
+        """Warn where the model has a layer that takes its examples along dimension 1 by
+        default (a sequence-first RNN or attention): ``what`` reads them along dimension 0.
+        ``stacklevel``: the caller's frames up to the user's call, counted from this one."""
+        name = sequence_first_layer(self.model)
+        if name is not None:
+            warnings.warn(
+                f"{self.call}: {name} takes its examples along dimension 1 (batch_first=False), "
+                f"and {what} along dimension 0: a sequence-first batch ([T, N, ...]) would be "
+                f"read as T examples of N steps. {fix}",
+                stacklevel=stacklevel + 1,
+            )
 
     def warn_unused(self, names: list[str]) -> None:
         if names:

@@ -167,6 +167,12 @@ class Fisher(CurvatureOperator):
                 )
             )
         self.samples = samples
+        if kind == "empirical":
+            self._data.warn_sequence_first(
+                "the empirical Fisher takes the gradients of examples",
+                "Pass batch-first batches (transposed outside the model).",
+                stacklevel=4,
+            )
         generator = check_generator(generator, call)
         self.likelihood: Likelihood | None = None
         self._mse = _infer(self._data.loss_fn) == "gaussian"  # torch's MSE: a mean over entries
