@@ -71,6 +71,20 @@ def test_find_micro_batch_size_errors():
         find_micro_batch_size(model, loss_fn, (torch.randn(4, 50), torch.randn(4, 1)))
 
 
+def test_a_loss_of_output_and_targets_is_told_the_convention():
+    """loss_fn(output, targets), as the module transforms and curvature take it, fails inside
+    torch here (a tuple has no .size): the error says how loss_fn is called."""
+    model = mlp()
+    batch = (torch.randn(4, 50), torch.randn(4, 1))
+    for run in (
+        lambda: activation_bytes(model, F.mse_loss, batch),
+        lambda: find_micro_batch_size(model, F.mse_loss, batch, budget_bytes=10**6),
+    ):
+        with pytest.raises(AttributeError) as info:
+            run()
+        assert "calls loss_fn(model, micro_batch)" in "".join(info.value.__notes__)
+
+
 def noisy_stats(model, noise):
     gen = torch.Generator("cpu").manual_seed(1)  # the same draws on every test device
     here = torch.get_default_device()

@@ -60,7 +60,7 @@ def test_a_log_of_two_runs_is_reported_as_its_last_run(tmp_path):
     (run,) = (tmp_path / "runs").iterdir()
     report = (run / "report.md").read_text()
     assert "2 tracked steps, 0 to 2" in report
-    assert "The log holds 2 runs (its steps start again at records 4" in report
+    assert "The log holds 2 runs (its steps start again at record 4" in report
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["whole_model"]["last"] == json.loads(json.dumps(second.records[-1]))
     assert metrics["per_layer"]["last"] == json.loads(json.dumps(second.records[-1]["layers"]))

@@ -139,6 +139,13 @@ def test_adaptive_trace_says_when_the_spectrum_keeps_it_from_the_tolerance():
     assert float(est.stderr) > 0.05 * abs(float(est.value))
 
 
+def test_adaptive_trace_refuses_max_probes_below_probes():
+    """It spent all of probes, and the warning named max_probes as if it had stopped there."""
+    A = _spectrum(torch.tensor([1.0, -1.0], dtype=D).repeat(50))
+    with pytest.raises(ValueError, match=r"max_probes: expected at least probes \(100\)"):
+        trace(A, 100, rtol=1e-3, max_probes=50, generator=_gen(0))
+
+
 def test_adaptive_trace_without_need_spends_only_the_first_probes():
     A = torch.diag(torch.arange(1.0, 51.0, dtype=D))  # diagonal: every Rademacher sample exact
     est = trace(A, 9, method="hutchinson", rtol=0.05, generator=_gen(0))

@@ -102,7 +102,16 @@ def activation_bytes(
     try:
         with torch.random.fork_rng(devices=cuda):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = _check_loss(loss_fn(model, micro_batch), call)
+                try:
+                    value = loss_fn(model, micro_batch)
+                except Exception as error:  # the other convention, loss_fn(output, targets)?
+                    error.add_note(
+                        f"({call} calls loss_fn(model, micro_batch): the model, then a micro-batch "
+                        "to run it on; a loss of (output, targets) goes inside, e.g. "
+                        "loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1], reduction='sum'))"
+                    )
+                    raise
+                loss = _check_loss(value, call)
             loss.backward()
     finally:
         for p, g in zip(params, before, strict=True):

@@ -113,7 +113,7 @@ def load_source(data: str | None) -> Source:
             data,
             "file",
             "an .npz file (x_train, y_train, x_test, y_test) or a folder of MNIST IDX files",
-            f"a {path.suffix or 'extensionless'} file",
+            f"a {path.suffix} file" if path.suffix else "a file without an extension",
             NPZ_FIX,
         )
     return Source(f"{path.name} (.npz)", *read_npz(path), origin=data)

@@ -157,7 +157,8 @@ def monitor_report(log: str, out: str) -> Path:
     body = f"{len(records)} tracked steps, {steps[0]} to {steps[-1]}, from `{path}`.\n\n"
     if runs > 1:
         body += (
-            f"The log holds {runs} runs (its steps start again at records "
+            f"The log holds {runs} runs (its steps start again at record"
+            f"{'s' if len(starts) > 2 else ''} "
             f"{', '.join(str(i + 1) for i in starts[1:])}: a monitor appends to an existing "
             "log); this report reads the last.\n\n"
         )

@@ -210,7 +210,7 @@ def trace(
             needs many probes for any estimator. The stopping point depends on the samples
             (runs that overestimate ``|tr|`` stop earlier), so the adaptive estimate is biased
             by up to the order of ``rtol``; a fixed ``probes`` is unbiased.
-        max_probes: the most products in adaptive mode (default 1000).
+        max_probes: the most products in adaptive mode (default 1000; at least ``probes``).
         generator: a ``torch.Generator`` for the probes (default: seeded from the global one).
         max_size, max_memory: limits of the exact diagonal (``method="exact"``).
 
@@ -241,6 +241,17 @@ def trace(
     if rtol is not None:
         rtol = check_number(rtol, call, "rtol", low=0, low_open=True, example=0.05)
         max_probes = check_int(max_probes, call, "max_probes", low=1, example=1000)
+        if isinstance(probes, int) and not isinstance(probes, bool) and max_probes < probes:
+            raise ValueError(
+                message(
+                    call,
+                    "max_probes",
+                    f"at least probes ({probes}): the adaptive mode starts with probes products "
+                    "and adds more until rtol is met or max_probes are spent",
+                    repr(max_probes),
+                    f"pass max_probes >= {probes}, or fewer probes",
+                )
+            )
     gen = probe_generator(generator, call)
     Q, AQ, Z, probes = _probes(A, probes, method, gen, call)
     exact_part = (Q * AQ).sum()

@@ -198,7 +198,8 @@ def implicit(
         method: ``"cg"``, ``"neumann"`` or ``"fixed_point"``.
         batch: passed to ``inner_loss`` (default None: full batch).
         tol: relative residual at which ``"cg"`` and ``"fixed_point"`` stop.
-        maxiter: Hessian-vector products at most (``"neumann"``: terms of the series).
+        maxiter: Hessian-vector products at most in the solve (``"neumann"``: terms of the
+            series); the 20 that estimate a default ``alpha`` come on top.
         alpha: step of ``"neumann"`` and ``"fixed_point"``; must be below
             :math:`2 / \lambda_{\max}(H)`.
         damping: :math:`\delta`, added to the Hessian's diagonal.

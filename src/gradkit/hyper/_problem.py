@@ -46,7 +46,8 @@ class HyperResult(NamedTuple):
         outer_loss: the outer loss at the last iterate (detached).
         params: the last iterate (or the given optimum for :func:`implicit`), detached.
         residual: :func:`implicit` only: ``||H q - g|| / ||g||`` of the linear solve.
-        iterations: :func:`implicit` only: Hessian-vector products spent in the solve.
+        iterations: :func:`implicit` only: Hessian-vector products spent, the 20 that
+            estimate a default ``alpha`` (``"neumann"``, ``"fixed_point"``) included.
         inner_grad_norm: :func:`implicit` only: ``||grad inner_loss(params_star)||``, how far
             the given point is from stationary (0 at an exact optimum).
     """
