@@ -105,6 +105,8 @@ def activation_bytes(
                 try:
                     value = loss_fn(model, micro_batch)
                 except Exception as error:  # the other convention, loss_fn(output, targets)?
+                    if not hasattr(error, "add_note"):  # Python < 3.11
+                        raise
                     error.add_note(
                         f"({call} calls loss_fn(model, micro_batch): the model, then a micro-batch "
                         "to run it on; a loss of (output, targets) goes inside, e.g. "
