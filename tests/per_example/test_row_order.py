@@ -127,6 +127,21 @@ class SortedRNN(nn.Module):
         return self.head(h[-1][order.argsort()])
 
 
+def _each_alone(
+    model: nn.Module, ids: torch.Tensor, lengths: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``[N, *shape]`` per parameter: each example's gradient alone, on its own length."""
+    want: dict[str, list[torch.Tensor]] = {}
+    for i in range(N):
+        loss = F.cross_entropy(
+            model(ids[i : i + 1, : lengths[i]], lengths[i : i + 1]), y[i : i + 1]
+        )
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
+            want.setdefault(name, []).append(g)
+    return {name: torch.stack(gs) for name, gs in want.items()}
+
+
 @pytest.mark.parametrize("sort_here", [True, False])
 def test_rows_sorted_for_packing_and_restored(sort_here: bool) -> None:
     torch.manual_seed(0)
@@ -134,18 +149,10 @@ def test_rows_sorted_for_packing_and_restored(sort_here: bool) -> None:
     ids = torch.randint(1, 9, (N, 5))
     lengths = torch.tensor([2, 5, 3, 4])
     y = torch.randint(0, 3, (N,))
-    want = {}
-    for i in range(N):  # each example alone, on its own length
-        loss = F.cross_entropy(
-            model(ids[i : i + 1, : lengths[i]], lengths[i : i + 1]), y[i : i + 1]
-        )
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
-            want.setdefault(name, []).append(g)
+    want = _each_alone(model, ids, lengths, y)
     with track(model, "batch_grad", "batch_l2", "variance", loss_reduction="sum") as stats:
         F.cross_entropy(model(ids, lengths), y, reduction="sum").backward()
-    for name, gs in want.items():
-        g = torch.stack(gs)
+    for name, g in want.items():
         assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-8, atol=1e-12)
         if sort_here and name.startswith("rnn."):  # the LSTM ran on the sorted rows
             with pytest.raises(GradkitError, match=r"rnn \(LSTM\) called on rows reordered"):
@@ -192,16 +199,9 @@ def test_one_order_reached_along_two_paths_is_that_order(combine: str) -> None:
         with pytest.raises(GradkitError, match=r"input of head \(Linear\) combining the rows"):
             _ = stats["head.weight"].batch_grad
         return
-    want = {}
-    for i in range(N):  # each example alone, on its own length
-        loss = F.cross_entropy(
-            model(ids[i : i + 1, : lengths[i]], lengths[i : i + 1]), y[i : i + 1]
-        )
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
-            want.setdefault(name, []).append(g)
-    for name, gs in want.items():
-        assert_close(stats[name].batch_grad, torch.stack(gs), rtol=1e-8, atol=1e-12, name=name)
+    want = _each_alone(model, ids, lengths, y)
+    for name, g in want.items():
+        assert_close(stats[name].batch_grad, g, rtol=1e-8, atol=1e-12, name=name)
 
 
 def test_reordered_rows_used_by_two_layers_flag_both() -> None:
