@@ -321,3 +321,35 @@ def test_a_token_mean_with_ignored_tokens_goes_through(declared):
     with track(net, "mean", "variance", "batch_grad", loss_reduction=declared) as stats:
         loss(net(x), y).backward()
     check_stats(stats, ref)
+
+
+_TOKEN_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    # cross entropy on [N, C, T] views its [N, 1, T] terms as [N, T]
+    "per_token_sum": lambda o, y: F.cross_entropy(o, y, reduction="none").sum(),
+    "per_example_mean_summed": lambda o, y: F.cross_entropy(o, y, reduction="none").mean(1).sum(),
+    # flattened tokens, viewed back per example
+    "flat_tokens": lambda o, y: (
+        F.cross_entropy(o.transpose(1, 2).reshape(-1, o.shape[1]), y.reshape(-1), reduction="none")
+        .view(y.shape)
+        .mean(1)
+        .sum()
+    ),
+}
+
+
+@pytest.mark.parametrize("loss", list(_TOKEN_LOSSES))
+def test_per_token_losses_viewed_per_example_are_read(loss: str) -> None:
+    """A sum over examples of per-token cross entropies (its terms viewed by torch or by the
+    user) declared a mean was not refused: the variance came out N**2 = 25 times the loop's."""
+    torch.manual_seed(0)
+    model = nn.Conv1d(3, 4, 1).double()
+    x, y = torch.randn(5, 3, 6, dtype=torch.float64), torch.randint(0, 4, (5, 6))
+    fn = _TOKEN_LOSSES[loss]
+    refused = pytest.raises(GradkitError, match=r"loss_reduction: .*reduction='none'")
+    with refused, track(model, "variance", loss_reduction="mean"):
+        fn(model(x), y).backward()
+    model.zero_grad()
+    with track(model, "variance", loss_reduction="sum") as stats:
+        fn(model(x), y).backward()
+    for name, g in per_example_grads(model, fn, x, y).items():
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-9, atol=1e-12)

@@ -226,14 +226,29 @@ def _per_row(node: Any) -> Any:
     return None if node is start else node
 
 
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+
+
+def _unviewed(node: Any) -> Any:
+    """Below views and reshapes, the node whose output they show: a loss's per-element terms
+    (``reduction='none'``) are the same terms however they are shaped (``cross_entropy`` on
+    ``[N, C, T]`` views its ``[N, 1, T]`` terms as ``[N, T]``; a loss over flattened tokens
+    ``[N * T]`` is viewed back as ``[N, T]``), and the reductions above them decide."""
+    while _name(node) in _VIEWS and len(_kids(node)) == 1:
+        (node,) = _kids(node)
+    return node
+
+
 def _chain(node: Any, kind: str) -> LossMatch | None:
     """A full ``mean()``/``sum()`` (``node``) of the per-element terms of a torch loss."""
     sizes = _sizes(node)
     rows = sizes[0] if sizes else None
     (body,) = _kids(node)
-    if body is not None and getattr(body, "_saved_reduction", None) == 0:
-        return LossMatch(f"{_name(body)} (reduction='none') then {_name(node)}", kind, rows)
+    terms = _unviewed(body)
+    if terms is not None and getattr(terms, "_saved_reduction", None) == 0:
+        return LossMatch(f"{_name(terms)} (reduction='none') then {_name(node)}", kind, rows)
     terms = _per_row(body)
+    terms = _unviewed(terms) if terms is not None else None
     if terms is not None and getattr(terms, "_saved_reduction", None) == 0:
         # .sum(1).mean(): the terms reduced within each row first; the rows' reduction decides
         return LossMatch(
