@@ -175,3 +175,36 @@ def test_parameters_of_two_dtypes_are_named(engine):
             hyper.HyperOptimizer(inner, outer, model, opt, {"l2": l2}, steps=STEPS)
         else:
             hyper.reverse(inner, outer, model, opt, steps=STEPS, hyper={"l2": l2})
+
+
+def test_a_refused_rtho_step_keeps_no_inner_steps():
+    """RTHO's inner run goes on from hyper-step to hyper-step: a refused outer step kept the
+    inner steps it took (the next accepted step reported 10 of them and another gradient)."""
+    model, inner, outer, _ = _problem()
+    lr = torch.tensor(0.2, dtype=D)
+    grad = hyper.reverse(inner, outer, model, optim.sgd(lr=lr), steps=STEPS, hyper={"lr": lr})
+
+    def made(step: float):
+        outer_opt = torch.optim.SGD([lr], lr=step, maximize=float(grad["lr"]) < 0)
+        return hyper.HyperOptimizer(
+            inner, outer, model, optim.sgd(lr=lr), {"lr": lr}, method="rtho", steps=STEPS,
+            outer_opt=outer_opt,
+        )  # fmt: skip
+
+    hopt = made(1e4)
+    before = hopt.state_dict()["online"]
+    with pytest.raises(ValueError, match=r"HyperOptimizer.step\(\): lr: expected .* >= 0"):
+        hopt.step()
+    assert before is None and hopt.state_dict()["online"] is None  # no inner step kept
+    hopt.outer_opt.param_groups[0]["lr"] = 0.0
+    got = hopt.step()  # the first hyper-step over again
+    want = made(0.0).step()
+    assert got.inner_steps == want.inner_steps == STEPS
+    assert float(got.grads["lr"]) == float(want.grads["lr"])
+    kept = hopt.state_dict()["online"]
+    hopt.outer_opt.param_groups[0]["lr"] = 1e4  # refused again, after an accepted step
+    with pytest.raises(ValueError, match=r"lr: expected .* >= 0"):
+        hopt.step()
+    now = hopt.state_dict()["online"]
+    assert now["t"] == kept["t"] == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(now["params"], kept["params"], strict=True))

@@ -284,6 +284,8 @@ class HyperOptimizer:
     def _rtho(self) -> tuple[float, dict[str, torch.Tensor], Any, int]:
         online = self._online_state()
         first = online.t == 0
+        # the run goes on across hyper-steps: a schedule needs a value for every step of it
+        self._dyn.check_steps(online.t + self.steps)
         for _ in range(self.steps):
             online.step()
         value, grads = online.hypergradient(check_unused=first)
@@ -307,6 +309,19 @@ class HyperOptimizer:
         start = time.perf_counter()
         self._check_model()
         snapshot = {k: h.detach().clone() for k, h in self.hyper.items()} if self.record else {}
+        # RTHO's inner run goes on from hyper-step to hyper-step: a step that fails (a refused
+        # outer step, a non-finite hypergradient) must not keep the inner steps it took
+        online = self._online.state_dict() if self._online is not None else None
+        try:
+            return self._step(start, snapshot)
+        except BaseException:
+            if online is not None and self._online is not None:
+                self._online.load_state_dict(online, f"{_CALL}.step()")
+            elif self._online is not None:
+                self._online = None
+            raise
+
+    def _step(self, start: float, snapshot: dict[str, torch.Tensor]) -> HyperStep:
         versions = self._dyn.buffer_versions()
         value, grads, params, inner_steps = self._hypergradient()
         # the engines run on the module's parameters (a dict): its buffers are checked here
