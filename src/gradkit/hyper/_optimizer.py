@@ -315,10 +315,10 @@ class HyperOptimizer:
         try:
             return self._step(start, snapshot)
         except BaseException:
-            if online is not None and self._online is not None:
-                self._online.load_state_dict(online, f"{_CALL}.step()")
-            elif self._online is not None:
+            if online is None:  # made by this step
                 self._online = None
+            else:
+                self._online_state().load_state_dict(online, f"{_CALL}.step()")
             raise
 
     def _step(self, start: float, snapshot: dict[str, torch.Tensor]) -> HyperStep:

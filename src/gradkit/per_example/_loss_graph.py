@@ -247,8 +247,7 @@ def _chain(node: Any, kind: str) -> LossMatch | None:
     terms = _unviewed(body)
     if terms is not None and getattr(terms, "_saved_reduction", None) == 0:
         return LossMatch(f"{_name(terms)} (reduction='none') then {_name(node)}", kind, rows)
-    terms = _per_row(body)
-    terms = _unviewed(terms) if terms is not None else None
+    terms = _unviewed(_per_row(body))  # None stays None
     if terms is not None and getattr(terms, "_saved_reduction", None) == 0:
         # .sum(1).mean(): the terms reduced within each row first; the rows' reduction decides
         return LossMatch(
