@@ -179,13 +179,14 @@ class OuterProduct(PerExampleGrad):
         on_a: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        a, g = self.A[start:stop], self.G[start:stop]
+        whole = start == 0 and stop == self.num_examples  # no slicing (an op per factor)
+        a, g = (self.A, self.G) if whole else (self.A[start:stop], self.G[start:stop])
         if scale != 1.0:
             a, g = (a * scale, g) if on_a else (a, g * scale)
         n = stop - start
         into = None if out is None else out.view(n, self.o, self.i)
         if self.T == 1 and self.groups == 1:  # outer products: a broadcast multiply
-            block = torch.mul(g[:, 0, 0, :, None], a[:, 0, 0, None, :], out=into)
+            block = torch.mul(g.reshape(n, self.o, 1), a.reshape(n, 1, self.i), out=into)
         elif self.groups == 1:
             block = torch.bmm(g[:, :, 0].transpose(1, 2), a[:, :, 0], out=into)  # [n, o, i]
         else:
@@ -283,7 +284,7 @@ class BiasOf(Materialized):
     def __init__(self, weight: OuterProduct) -> None:
         g = weight.G
         if weight.T == 1:  # a view: nothing to sum
-            super().__init__(g[:, 0].reshape(g.shape[0], -1), owned=False)
+            super().__init__(g.reshape(g.shape[0], -1), owned=False)
         else:
             super().__init__(g.sum(1).reshape(g.shape[0], -1), owned=True)
         self.weight = weight

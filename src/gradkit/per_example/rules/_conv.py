@@ -279,11 +279,15 @@ class ConvWeightGrad(PerExampleGrad):
         m, n = self.module, stop - start
         o = m.out_channels // m.groups
         total: torch.Tensor | None = None
+        whole = start == 0 and stop == self.num_examples  # no slicing (an op per tensor)
         for x, g in self.uses:
-            a = unfold_patches(x[start:stop], m)  # [n, C_in * K, L]
-            a = a.reshape(n, m.groups, -1, a.shape[-1])  # [n, groups, i, L]
-            gs = _scaled(g[start:stop], scale).reshape(n, m.groups, o, -1)  # [n, groups, o, L]
-            w = gs @ a.transpose(-1, -2)  # [n, groups, o, i]
+            a = unfold_patches(x if whole else x[start:stop], m)  # [n, C_in * K, L]
+            gs = _scaled(g if whole else g[start:stop], scale)
+            if m.groups == 1:  # bmm itself: matmul's 4-D broadcasting costs 6 more ops
+                w = torch.bmm(gs.reshape(n, o, -1), a.transpose(1, 2))  # [n, o, i]
+            else:
+                a = a.reshape(n, m.groups, -1, a.shape[-1])  # [n, groups, i, L]
+                w = gs.reshape(n, m.groups, o, -1) @ a.transpose(-1, -2)  # [n, groups, o, i]
             total = w if total is None else total.add_(w)
         assert total is not None
         return total.reshape(n, *self.shape)
@@ -351,7 +355,7 @@ def conv_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     out: dict[str, PerExampleGrad] = {}
     if "weight" in ctx.params:
         pe = ConvWeightGrad(module, pairs)
-        one_position = len(pairs) == 1 and pairs[0][1][0, 0].numel() == 1
+        one_position = len(pairs) == 1 and math.prod(pairs[0][1].shape[2:]) == 1
         out["weight"] = pe._patches() if one_position else pe  # closed forms for 1 position
     if "bias" in ctx.params:
         sums = [g.reshape(n, module.out_channels, -1).sum(-1) for _, g in pairs]
