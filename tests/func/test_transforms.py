@@ -8,6 +8,7 @@ from torch import nn
 from gradkit import GradkitError
 from gradkit.func import (
     batch_jacobian,
+    custom_gradient,
     grad,
     hessian,
     jacobian,
@@ -398,3 +399,66 @@ def test_a_jacobian_s_dtype_is_the_same_in_every_mode(fn):
         assert {g.dtype for g in got} == {torch.promote_types(x.dtype, f(x).dtype)}
         assert_close(got[0], got[1])
         assert_close(got[0], got[2])
+
+
+# -- torch.func's wrong second derivatives, symmetric ones included ------------------------------
+
+
+def _log1pexp_custom():
+    @custom_gradient
+    def log1pexp(x):
+        return torch.log1p(torch.exp(x)), lambda dy: dy * torch.sigmoid(x)
+
+    return log1pexp
+
+
+X6 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), dtype=D)
+W6 = torch.randn(6, generator=torch.Generator().manual_seed(1), dtype=D)
+B6 = torch.randn(6, generator=torch.Generator().manual_seed(2), dtype=D)
+
+
+def _layer_norm_scaled(s):
+    """A scalar scaling a layer_norm's input and its weight: torch.func's Hessian is 9.4 off,
+    and (of one variable) symmetric."""
+    return (nn.functional.layer_norm(X6 * s, (6,), weight=W6 * s, bias=B6).sin() ** 2).sum()
+
+
+def _batch_norm_gains(w):
+    """Gains feeding a training-mode batch_norm's input and weight: 2.0 off, symmetric."""
+    out = nn.functional.batch_norm(X6 * w, None, None, weight=w, training=True)
+    return (out.tanh() ** 3).sum()
+
+
+def _softplus_squared(x):
+    return (_log1pexp_custom()(x) ** 2).sum()
+
+
+@pytest.mark.parametrize(
+    "f, x",
+    [
+        (_layer_norm_scaled, torch.tensor(0.7, dtype=D)),
+        (_batch_norm_gains, torch.randn(6, generator=torch.Generator().manual_seed(3), dtype=D)),
+        (_softplus_squared, torch.tensor([0.3, -1.2], dtype=D)),
+    ],
+    ids=["layer_norm-scalar", "batch_norm-train", "custom_gradient"],
+)
+def test_hessian_is_checked_by_a_double_backward_product(f, x, caplog):
+    n = x.numel()
+    with caplog.at_level("WARNING", logger="gradkit.func._transforms"):
+        H = hessian(f, x).reshape(n, n)
+    want = torch.autograd.functional.hessian(f, x).reshape(n, n)  # double backward
+    fd = finite_difference_jacobian(lambda v: torch.func.grad(f)(v).reshape(-1), x).reshape(n, n)
+    assert_close(want, fd, rtol=1e-6, atol=1e-6)  # the oracle itself is right
+    assert_close(H, want, rtol=1e-10, atol=1e-10)
+    raw = torch.func.jacrev(torch.func.jacrev(f))(x).reshape(n, n)
+    if (raw - want).abs().max() > 1e-6:  # torch.func is wrong here in this torch
+        assert "disagrees with double backward" in caplog.text
+
+
+def test_hessian_under_vmap_is_refused_with_a_worded_error():
+    f = lambda v: (v**3).sum()
+    with pytest.raises(GradkitError, match="outside torch.func.vmap") as info:
+        torch.func.vmap(lambda v: hessian(f, v))(torch.ones(3, 2, dtype=D))
+    assert "gradkit.func.hvp" in str(info.value)
+    # jacrev of it still works (the symmetry check runs inside a grad transform)
+    assert_close(torch.func.jacrev(lambda v: hessian(f, v))(torch.ones(2, dtype=D)).sum(), 12.0)

@@ -249,10 +249,16 @@ def hessian(
 
     Computed as ``jacrev(jacrev(f))`` on the flattened arguments with the outer Jacobian in
     chunks: on CPU this beats ``torch.func.hessian`` (forward over reverse) and the unchunked
-    form (cache effects), and bounds memory. Under these nested transforms a
-    :func:`custom_gradient` is a constant of the outer one, so the second derivative through
-    it comes out 0: for such a function use :func:`hessians` or :func:`hvp`, which
-    differentiate twice through ``torch.autograd``.
+    form (cache effects), and bounds memory. torch.func's second derivatives are wrong for some
+    functions, symmetric or not (layer_norm with affine parameters, batch_norm in training
+    mode, a :func:`custom_gradient`, which the outer transform takes as a constant), so the
+    result is checked against one Hessian-vector product by double backward through
+    ``torch.autograd`` (a random combination of the outputs and a random vector: about the cost
+    of two gradients); where they differ, the Hessian is recomputed by double backward, with a
+    warning in the ``gradkit.func`` log. Called inside another torch.func transform, where
+    ``torch.autograd`` cannot run, only the symmetry of each output's Hessian is checked, and
+    under ``vmap`` not even that: the call is refused (take :func:`hvp`, or
+    ``torch.func.hessian`` unchecked).
 
     Args:
         f: function of tensors, usually scalar-valued (an output of shape ``O`` gives
@@ -304,7 +310,10 @@ def hessian(
     chunk = chunk_size if chunk_size is not None else min(v0.numel(), _DEFAULT_HESSIAN_CHUNK)
     with _mutation_errors(call):
         h = torch.func.jacrev(torch.func.jacrev(flat_f), chunk_size=chunk)(v0)
-    h = _checked_symmetric(h, flat_f, v0, chunk, call)
+    if torch._C._functorch.maybe_current_level() is None:
+        h = _checked_product(h, flat_f, v0, chunk, call)
+    else:  # inside another transform: torch.autograd cannot check it
+        h = _checked_symmetric(h, flat_f, v0, chunk, call)
     o_shape = h.shape[:-2]
     if isinstance(argnums, int):
         return h.reshape((*o_shape, *primals[0].shape, *primals[0].shape))
@@ -318,33 +327,74 @@ def hessian(
     )
 
 
-def _checked_symmetric(
+def _checked_product(
     h: torch.Tensor, flat_f: Callable[[torch.Tensor], Any], v0: torch.Tensor, chunk: int, call: str
 ) -> torch.Tensor:
-    """``h`` (``O + [n, n]``: one Hessian per output entry), or, where torch.func gave an
-    asymmetric one, every output's Hessian again by double backward through torch.autograd.
+    """``h`` (``O + [n, n]``: one Hessian per output entry), or, where torch.func's does not
+    give the Hessian-vector product that double backward gives (for a random combination ``c``
+    of the outputs and a random ``w``), every output's Hessian again by double backward.
 
     torch.func's second derivatives are wrong for some operations (layer_norm with affine
-    parameters after a Linear, batch_norm in training mode: torch 2.13); a Hessian must be
-    symmetric. Every output entry's Hessian is checked (the cross terms of a vector output's
-    came out 0.36 off with the check on scalar outputs only)."""
+    parameters, batch_norm in training mode: torch 2.13; a :func:`custom_gradient`, a constant
+    of the outer transform), and a wrong Hessian can be symmetric (always, of one variable): a
+    scalar scaling a layer_norm's input and weight came out 9.4 off, symmetric. One product
+    by ``torch.autograd`` costs about two gradients."""
+    if not h.is_floating_point():
+        return h
     n = v0.numel()
-    blocks = h.reshape(-1, n, n)
-    gaps = [float((b - b.T).abs().max()) for b in blocks if not _symmetric(b)]
-    if not gaps:
+    blocks = h.detach().reshape(-1, n, n)
+    gen = torch.Generator(device=h.device).manual_seed(0)
+    c = torch.randn(blocks.shape[0], generator=gen, dtype=h.dtype, device=h.device)
+    w = torch.randn(n, generator=gen, dtype=h.dtype, device=h.device)
+    got = torch.einsum("k,kij,j->i", c, blocks, w)
+    if not torch.isfinite(got).all():
+        return h  # no product to compare (an infinite or undefined second derivative)
+    want = _product_double_backward(flat_f, v0, c, w, call)
+    # rounding of both products: within sqrt(eps) of sum_kj |c_k H_kij w_j| per entry
+    bound = torch.einsum("k,kij,j->i", c.abs(), blocks.abs(), w.abs())
+    gap = float((got - want).abs().max())
+    if gap <= torch.finfo(h.dtype).eps ** 0.5 * float(bound.max()):
         return h
     logger.warning(
-        "%s: torch.func gave an asymmetric Hessian (max |H - H^T| = %.3g); "
-        "recomputing it by double backward",
+        "%s: torch.func's Hessian disagrees with double backward (a Hessian-vector product "
+        "%.3g off); recomputing it by double backward",
         call,
-        max(gaps),
+        gap,
     )
+    return _double_backward_all(h, flat_f, v0, chunk, call)
+
+
+def _product_double_backward(
+    f: Callable[[torch.Tensor], Any],
+    v0: torch.Tensor,
+    c: torch.Tensor,
+    w: torch.Tensor,
+    call: str,
+) -> torch.Tensor:
+    """``sum_k c_k H_k w`` (``H_k``: the Hessian of output entry ``k`` of ``f`` at the flat
+    ``v0``) by double backward through ``torch.autograd``."""
+    with torch.enable_grad():
+        x = v0.detach().requires_grad_(True)
+        out = f(x).reshape(-1)
+        (g,) = first_grads(out, [x], c.to(out.dtype), call=call)
+        if g is None or not g.requires_grad:
+            return torch.zeros_like(w)
+        (hw,) = torch.autograd.grad(g, x, w.to(g.dtype), allow_unused=True)
+    return torch.zeros_like(w) if hw is None else hw.detach().to(w.dtype)
+
+
+def _double_backward_all(
+    h: torch.Tensor, flat_f: Callable[[torch.Tensor], Any], v0: torch.Tensor, chunk: int, call: str
+) -> torch.Tensor:
+    """Every output entry's Hessian by double backward, shaped as ``h``; refused where it is
+    asymmetric too (a wrong second derivative in torch's own backward)."""
+    n = v0.numel()
     if h.dim() == 2:
         fixed = [_hessian_double_backward(flat_f, v0, chunk, call)]
     else:
         fixed = [
             _hessian_double_backward(functools.partial(_entry, flat_f, k), v0, chunk, call)
-            for k in range(blocks.shape[0])
+            for k in range(h.reshape(-1, n, n).shape[0])
         ]
     for b in fixed:
         if not _symmetric(b):  # torch's own double backward is wrong there too
@@ -354,7 +404,43 @@ def _checked_symmetric(
                 "has a wrong second derivative in this torch; check it with "
                 "torch.autograd.gradgradcheck and write it with other operations"
             )
-    return torch.stack(fixed).reshape(h.shape)
+    return torch.stack(fixed).reshape(h.shape).to(h.dtype)
+
+
+def _checked_symmetric(
+    h: torch.Tensor, flat_f: Callable[[torch.Tensor], Any], v0: torch.Tensor, chunk: int, call: str
+) -> torch.Tensor:
+    """:func:`_checked_product` inside another torch.func transform (``jacrev(hessian)``),
+    where ``torch.autograd`` cannot run: each output entry's Hessian must be symmetric, or all
+    are recomputed by double backward (the cross terms of a vector output's came out 0.36 off
+    with the check on scalar outputs only). Under ``vmap`` no value can be read, so nothing
+    can be checked: refused."""
+    n = v0.numel()
+    blocks = h.reshape(-1, n, n)
+    try:
+        gaps = [float((b - b.T).abs().max()) for b in blocks if not _symmetric(b)]
+    except RuntimeError as error:  # vmap: no random draw, no value read
+        raise GradkitError(
+            message(
+                call,
+                "f",
+                "a call outside torch.func.vmap, where its Hessian can be checked (torch.func's "
+                "second derivatives are wrong for some operations, e.g. layer_norm with affine "
+                "parameters)",
+                "a call inside vmap",
+                "take gradkit.func.hvp under vmap, or torch.func.hessian where f has none of "
+                "those operations",
+            )
+        ) from error
+    if not gaps:
+        return h
+    logger.warning(
+        "%s: torch.func gave an asymmetric Hessian (max |H - H^T| = %.3g); "
+        "recomputing it by double backward",
+        call,
+        max(gaps),
+    )
+    return _double_backward_all(h, flat_f, v0, chunk, call)
 
 
 def _entry(f: Callable[[torch.Tensor], Any], k: int, v: torch.Tensor) -> torch.Tensor:
