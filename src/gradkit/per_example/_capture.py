@@ -27,7 +27,7 @@ from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
 from gradkit.per_example._layout import check_loss_reduction
-from gradkit.per_example._outside import check_outside_uses, checked_module
+from gradkit.per_example._outside import check_outside_uses, check_uncalled, checked_module
 from gradkit.per_example._registry import (
     Use,
     _parametrized,
@@ -68,6 +68,7 @@ class UseRecord:
     label: str = ""  # "name (Class)" of the module
     nodes: list[Node] = field(default_factory=list)  # the graph nodes of its outputs
     checked: tuple[int, ...] = ()  # ids of its parameters whose other uses are refused
+    pids: tuple[int, ...] = ()  # ids of all its tracked parameters
     base: Node | None = None  # the base's node of an output that is a view of part of it
     arrivals: int = 0  # output gradients received (backward passes through this call)
     # a pass that built no graph added this call's examples to its parameters' statistics: a
@@ -198,6 +199,17 @@ def check_pass(
                 expected[pid] += 1
     calls = {nd for r in counted for nd in r.nodes}
     check_outside_uses(nodes, expected, checked, calls, found, shared=bool(kept))
+    if unchecked:
+        # a parameter whose gradient the pass computes although no call of its module is in
+        # it (a ParameterList's, a module whose forward is bypassed): the statistics come from
+        # the calls, so every example would get 0 for it
+        held = {pid for r in counted for pid in r.pids}
+        uncalled = {
+            pid: 0
+            for pid in found
+            if pid in unchecked and pid not in left_out and pid not in held
+        }
+        check_uncalled(nodes, uncalled, unchecked, calls, found)
     return left_out
 
 
@@ -355,6 +367,19 @@ def refuse_hook_before(st: ModuleState) -> None:
     )
 
 
+_HOLDERS = (nn.ParameterList, nn.ParameterDict)
+"""Modules that hold parameters for another to read and are never called themselves."""
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    """Whether a child of ``module`` is a :data:`_HOLDERS` with a parameter that requires
+    grad."""
+    return any(
+        isinstance(child, _HOLDERS) and any(p.requires_grad for p in child.parameters())
+        for child in module._modules.values()
+    )
+
+
 def tracked_modules(
     modules: Mapping[str, nn.Module], dims: Mapping[str, int], fallback: str, call: str
 ) -> list[ModuleState]:
@@ -371,6 +396,10 @@ def tracked_modules(
         # the module's own parameters (named_parameters(recurse=False) walks named_modules per
         # call: a tenth of a small model's track() set-up)
         own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        if not own and _holds_parameters(module) and find_rule(module) is None:
+            # a ParameterList or ParameterDict is never called: the module reading its entries
+            # is differentiated by the vmap fallback, whose subtree holds them
+            own = {n: p for n, p in module.named_parameters() if p.requires_grad}
         if not own:
             if not reparametrized(module):
                 continue

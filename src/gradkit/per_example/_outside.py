@@ -24,7 +24,7 @@ from torch.autograd.graph import Node
 
 from gradkit._errors import GradkitError, message
 
-__all__ = ["CHECKED", "check_outside_uses", "checked_module"]
+__all__ = ["CHECKED", "check_outside_uses", "check_uncalled", "checked_module"]
 
 CHECKED: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -115,6 +115,44 @@ def _has_dimension(node: Node) -> bool:
         return any(len(m.shape) > 0 for m in metadata)
     except (AttributeError, RuntimeError, TypeError):
         return True  # unknown: count it as a use on the examples
+
+
+def check_uncalled(
+    roots: Sequence[Any],
+    uncalled: Mapping[int, int],
+    names: Mapping[int, str],
+    calls: set[Node],
+    found: Mapping[int, list[Node]],
+) -> None:
+    """Raise when a parameter whose module has no call in this pass (``uncalled``: ids, any
+    layer: a ``ParameterList``'s entries, a module whose forward is bypassed) is used on the
+    examples: its per-example gradients, made from its module's calls, would all be 0. A use
+    apart from the examples (weight decay added to the loss) is not one, as for the checked
+    layers (see the module docstring). ``roots``, ``calls`` and ``found``: as for
+    :func:`check_outside_uses`."""
+    if not uncalled or not roots:
+        return
+    parents, depends = _maps(roots, calls)
+    used = [names[pid] for pid in uncalled if _on_examples(parents, depends, found[pid])]
+    if used:
+        listed = ", ".join(repr(n) for n in sorted(used)[:3]) + (
+            f" and {len(used) - 3} more" if len(used) > 3 else ""
+        )
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                "model",
+                "tracked parameters used on the examples through calls of their own module "
+                "(per-example gradients are made from those calls)",
+                f"{listed} used on the examples while their module was not called in this "
+                "pass (a module that holds parameters for another to read, as ParameterList "
+                "and ParameterDict do, or one whose forward is run as module.forward(x), "
+                "which skips its hooks): every example's gradient would be 0",
+                "call the module itself (module(x)), keep such parameters as attributes of "
+                "the module that uses them (its calls are then tracked with its forward), or "
+                "freeze them (requires_grad_(False)) to track the rest",
+            )
+        )
 
 
 def check_outside_uses(

@@ -640,6 +640,7 @@ class Tracker(TrackerResults):
                     if t.grad_fn is not None
                 ],
                 checked=st.checked,
+                pids=tuple(st.pids.values()),
                 base=base,
             )
             self._records.append(record)
