@@ -61,6 +61,21 @@ class Anchored(nn.Module):
             return rows.view(n, -1).square().sum(-1)
         if self.how == "normalized":  # a tracked layer on the expanded rows
             return (self.norm(q) * h).sum(-1)
+        if self.how == "chunked_features":  # FiLM: a scale and a shift split along features
+            scale, shift = self.q_proj(self.anchor).repeat(1, 2).chunk(2, -1)
+            return (h * scale + shift).sum(-1)
+        if self.how == "split_unbound":  # pieces by split(sizes), then unbind of a later dim
+            first, rest = q.split([1, K - 1], -1)
+            return h[:, 0] * first[:, 0] + sum(r for r in rest.unbind(1))
+        if self.how == "transposed_queries":  # [1, 2, K] queries, transposed into a product
+            q3 = self.q_proj(self.anchor[:, None].expand(1, 2, DIM))
+            return (h[:, None] @ q3.transpose(1, 2)).sum((1, 2))
+        if self.how == "permuted_queries":
+            q3 = self.q_proj(self.anchor[:, None].expand(1, 2, DIM))
+            return (h[:, None] @ q3.permute(0, 2, 1)).sum((1, 2))
+        if self.how == "transpose_across_batch":  # the examples' dimension swapped: refused
+            q3 = self.q_proj(self.anchor[:, None].expand(1, 2, DIM))
+            return h.sum(-1) * q3.transpose(0, 1).reshape(2, -1)[0, :1].sum()
         raise AssertionError(self.how)
 
 
@@ -75,7 +90,14 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "how",
-    ["matmul_transposed", "einsum", "softmax_over_batch", "norm_over_batch", "linear_as_weight"],
+    [
+        "matmul_transposed",
+        "einsum",
+        "softmax_over_batch",
+        "norm_over_batch",
+        "linear_as_weight",
+        "transpose_across_batch",
+    ],
 )
 def test_an_expanded_output_taken_across_the_examples_is_refused(how: str) -> None:
     torch.manual_seed(0)
@@ -89,7 +111,18 @@ def test_an_expanded_output_taken_across_the_examples_is_refused(how: str) -> No
 
 
 @pytest.mark.parametrize(
-    "how", ["product", "negative_dims", "positions_last_dim", "concatenated", "normalized"]
+    "how",
+    [
+        "product",
+        "negative_dims",
+        "positions_last_dim",
+        "concatenated",
+        "normalized",
+        "chunked_features",
+        "split_unbound",
+        "transposed_queries",
+        "permuted_queries",
+    ],
 )
 def test_an_expanded_output_that_is_broadcast_is_exact(how: str) -> None:
     torch.manual_seed(0)

@@ -404,6 +404,23 @@ def _keeps_examples(node: Any, k: int, dim: int, n: int, rank: int | None) -> bo
     if op == "Unsqueeze":
         dims = _saved_dims(node, rank + 1 if rank else None)
         return dims is not None and all(d >= 0 and d > dim for d in dims)
+    if op == "Unbind":  # the dimensions after the examples' lose one: theirs stays
+        dims = _saved_dims(node, rank)
+        return dims is not None and all(d > dim for d in dims)
+    if op == "Transpose":  # of two other dimensions (features, positions)
+        swapped = (
+            *(_saved_dims_named(node, "_saved_dim0", rank) or (dim,)),
+            *(_saved_dims_named(node, "_saved_dim1", rank) or (dim,)),
+        )
+        return dim not in swapped
+    if op == "Permute":
+        order = _saved_dims_named(node, "_saved_dims", rank)
+        return order is not None and len(order) > dim and order[dim] == dim
+    if op == "Repeat":  # tiled along other dimensions only, none added in front
+        repeats = getattr(node, "_saved_repeats", None)
+        return (
+            rank is not None and repeats is not None and len(repeats) == rank and repeats[dim] == 1
+        )
     if op in _RESHAPE_OPS:
         shape = _output_shape(node)
         if shape is None:  # a torch that does not record it: as before, trusted
@@ -440,6 +457,8 @@ _ALONG_DIMS = frozenset(
         "Select",
         "Slice",
         "Softmax",
+        "Split",  # .chunk, .split: pieces along another dimension keep the examples' rows
+        "SplitWithSizes",
         "Squeeze",
         "Sum",
     ]
