@@ -236,7 +236,10 @@ def test_equals_the_operator_and_float32_stays_float32():
     want = op @ op.flatten(v)
     torch.testing.assert_close(_flat(module_ggnvp(model, loss_fn, batch, v), op.names), want)
     m32 = model.float()
-    got = module_ggnvp(m32, loss_fn, (batch[0].float(), batch[1]), v)
+    with pytest.raises(TypeError, match=r"v\['0.weight'\]: expected dtype torch.float32"):
+        module_ggnvp(m32, loss_fn, (batch[0].float(), batch[1]), v)  # not rounded silently
+    v32 = {k: t.float() for k, t in v.items()}
+    got = module_ggnvp(m32, loss_fn, (batch[0].float(), batch[1]), v32)
     assert all(t.dtype == torch.float32 for t in got.values())
     torch.testing.assert_close(_flat(got, op.names), want.float(), rtol=1e-4, atol=1e-6)
 

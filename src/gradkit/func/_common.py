@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeGuard, TypeVar
 
 import torch
@@ -96,7 +96,9 @@ def _mutation_errors(call: str) -> Iterator[None]:
                 "differentiate; put such modules in eval mode (model.eval()), or call the "
                 "model with torch.func.functional_call and copies of its buffers"
             ) from err
-        if "leaf Variable that requires grad is being used in an in-place operation" in text:
+        if "leaf Variable that requires grad is being used in an in-place operation" in text or (
+            "is a view and is being modified inplace" in text and "returns multiple views" in text
+        ):
             raise GradkitError(
                 f"{call}: f: expected a function that leaves its arguments unchanged, got one "
                 "that modifies an argument (or a captured tensor that requires grad) in place "
@@ -140,6 +142,23 @@ def _without_overlap(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _describe_tree(value: Any) -> str:
+    """:func:`describe`, with the tensors inside dicts (and lists and tuples of them) by shape
+    and dtype too: the repr of a dict of tensors inside a transform shows torch.func's
+    internal wrappers (``GradTrackingTensor(lvl=1, value=...)``)."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+        inner = ", ".join(f"{k!r}: {_describe_tree(v)}" for k, v in items[:4])
+        more = ", ..." if len(items) > 4 else ""
+        return f"{type(value).__name__}{{{inner}{more}}} (length {len(items)})"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
+        inner = ", ".join(_describe_tree(v) for v in value[:4])
+        more = ", ..." if len(value) > 4 else ""
+        kind = "list" if isinstance(value, list) else "tuple"
+        return f"{kind}[{inner}{more}] (length {len(value)})"
+    return describe(value)
+
+
 def _check_tensor_output(out: Any, call: str) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(
@@ -147,7 +166,7 @@ def _check_tensor_output(out: Any, call: str) -> torch.Tensor:
                 call,
                 "f",
                 "a function returning one tensor",
-                describe(out),
+                _describe_tree(out),
                 "return a single tensor (stack or concatenate several)",
             )
         )
@@ -164,7 +183,7 @@ def _check_tensor_tree(value: Any, call: str, argument: str, expected: str) -> N
                 call,
                 argument,
                 expected,
-                f"{describe(value)}, with a {type(bad[0]).__name__} leaf",
+                f"{_describe_tree(value)}, with a {type(bad[0]).__name__} leaf",
                 "return tensors (convert numbers with torch.as_tensor)",
             )
         )

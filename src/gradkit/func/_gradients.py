@@ -329,6 +329,30 @@ def gradients(
     _check_aggregation(aggregation_method, call)
     check_bool(create_graph, call, "create_graph")
     check_bool(retain_graph, call, "retain_graph")
+    return _gradients(
+        ys,
+        xs,
+        grad_ys,
+        stop_gradients=stop_gradients,
+        unconnected_gradients=unconnected_gradients,
+        create_graph=create_graph,
+        retain_graph=retain_graph,
+        call=call,
+    )
+
+
+def _gradients(
+    ys: torch.Tensor | Sequence[torch.Tensor],
+    xs: torch.Tensor | Sequence[torch.Tensor],
+    grad_ys: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    *,
+    stop_gradients: torch.Tensor | Sequence[torch.Tensor] | None,
+    unconnected_gradients: str,
+    create_graph: bool,
+    retain_graph: bool,
+    call: str,
+) -> list[torch.Tensor]:
+    """:func:`gradients` with its options checked, its errors naming ``call``."""
     y_list, _ = as_tensor_list(ys, call, "ys")
     x_list, _ = as_tensor_list(xs, call, "xs")
     _check_xs(x_list, call)
@@ -452,7 +476,18 @@ def hessians(
     check_bool(create_graph, call, "create_graph")
     x_list, _ = as_tensor_list(xs, call, "xs")
     _check_xs(x_list, call)
-    firsts: list[torch.Tensor | None] = list(gradients(ys, x_list, create_graph=True))
+    firsts: list[torch.Tensor | None] = list(
+        _gradients(
+            ys,
+            x_list,
+            None,
+            stop_gradients=None,
+            unconnected_gradients="none",
+            create_graph=True,
+            retain_graph=True,
+            call=call,
+        )
+    )
     roots = [ys] if isinstance(ys, torch.Tensor) else [y for y in ys if isinstance(y, torch.Tensor)]
     refuse_second_order(roots, firsts, call=call)
     out: list[torch.Tensor | None] = []

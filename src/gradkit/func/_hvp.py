@@ -38,6 +38,7 @@ from gradkit.func._common import (
     _check_floating_output,
     _check_like,
     _check_scalar,
+    _mutation_errors,
     _name,
     _without_overlap,
     is_transformed,
@@ -103,6 +104,19 @@ def hvp(
     _check_differentiable(primals, range(len(primals)), call, argnums=False)
     vs, _ = _as_tuple(v, call, "v")
     _check_like(vs, primals, call, "v", "argument")
+    with _mutation_errors(call):
+        value, res = _hvp(f, primals, vs, method, call)
+    return value, (tuple(res) if was_seq else res[0])
+
+
+def _hvp(
+    f: Callable[..., torch.Tensor],
+    primals: tuple[torch.Tensor, ...],
+    vs: tuple[torch.Tensor, ...],
+    method: str,
+    call: str,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(f(*primals), H vs)`` by the method :func:`hvp` documents."""
     if method == "forward_over_reverse" or (
         method == "auto" and any(is_transformed(p) for p in (*primals, *vs))
     ):
@@ -144,7 +158,7 @@ def hvp(
             gs = first_grads(value, xs, call=call)
             res = _second_grads(gs, xs, vs, retain_graph=False)
         value = value.detach()
-    return value, (tuple(res) if was_seq else res[0])
+    return value, list(res)
 
 
 _VECTORIZE_MAX = 10_000
@@ -271,7 +285,17 @@ class HVPOperator:
                     "flatten the vector(s) with op.flatten(...)",
                 )
             )
-        return v.to(self.dtype)
+        if v.dtype != self.dtype:  # a silent cast would round (float64) or truncate (integers)
+            raise TypeError(
+                message(
+                    f"{self._call} @ v",
+                    "v",
+                    f"dtype {self.dtype} (that of the operator)",
+                    describe(v),
+                    f"convert it with v.to({self.dtype})",
+                )
+            )
+        return v
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``H v`` for a flat vector ``v`` of shape ``[n]``."""
@@ -437,7 +461,8 @@ def hvp_operator(
             t.view(p.shape)
             for t, p in zip(flat.split([p.numel() for p in primals]), primals, strict=True)
         ]
-        value = f(*views)
+        with _mutation_errors(call):
+            value = f(*views)
         return HVPOperator(
             value,
             [flat],

@@ -7,23 +7,28 @@ Conventions shared by every helper:
   ``model(*inputs)`` when ``inputs`` is a tuple;
 * the differentiated parameters are those with ``requires_grad=True`` (frozen ones are skipped),
   or the names given in ``params``; buffers (BatchNorm statistics) are used, never changed by
-  the helpers themselves;
-* nothing is written to ``.grad`` or to the model.
+  the helpers themselves: modules in training mode that own buffers run on copies of them
+  (:func:`_forward`), as in :mod:`gradkit.curvature`;
+* nothing is written to ``.grad`` or to the model;
+* a loss of one element (shape ``[1]``) is the scalar it holds.
 
 Gradients run autograd on the model as it is; Hessians and Jacobians go through
-``torch.func.functional_call`` on a flat parameter vector. Hessian-vector products are in
+``torch.func.functional_call`` on a flat parameter vector, or by autograd on the model itself
+where ``torch.func`` cannot reproduce it (a module reused under several names, a module in
+training mode that updates its buffers). Hessian-vector products are in
 :mod:`._module_hvp`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
-from gradkit._errors import describe, message
+from gradkit._errors import GradkitError, describe, message
 from gradkit._params import LossFn, select_params
 from gradkit._validate import check_bool, check_callable, check_choice
 from gradkit.func._common import _check_scalar
@@ -41,15 +46,32 @@ __all__ = [
 ]
 
 
+def _updates_buffers(model: nn.Module) -> bool:
+    """Whether a module in training mode owns buffers (BatchNorm updating its running
+    statistics): its forward writes to them."""
+    return any(m.training and next(m.buffers(False), None) is not None for m in model.modules())
+
+
 def _forward(model: nn.Module, inputs: Any) -> Any:
-    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+    """``model(inputs)``; where a module in training mode owns buffers, on copies of the
+    model's buffers, so that nothing is written to the model (the output is the same: a module
+    in training mode does not read the statistics it updates)."""
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not _updates_buffers(model):
+        return model(*args)
+    copies = {n: b.clone() for n, b in model.named_buffers()}
+    return torch.func.functional_call(model, copies, args, strict=False)
+
+
+def _scalar(loss: Any, call: str) -> torch.Tensor:
+    """``loss`` checked to be a scalar, a one-element tensor reshaped to ``()``."""
+    _check_scalar(loss, call)
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def _loss(model: nn.Module, loss_fn: LossFn, batch: Any, call: str) -> torch.Tensor:
     _check_batch(loss_fn, batch, call)
-    loss = loss_fn(_forward(model, batch[0]), batch[1])
-    _check_scalar(loss, call)
-    return loss
+    return _scalar(loss_fn(_forward(model, batch[0]), batch[1]), call)
 
 
 def _check_batch(loss_fn: LossFn, batch: Any, call: str) -> None:
@@ -217,13 +239,13 @@ def module_hessian(
     _check_examples(batch[0], call)
 
     def loss_of(v: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(call_with(v, batch[0]), batch[1])
-        _check_scalar(loss, call)
-        return loss
+        return _scalar(loss_fn(call_with(v, batch[0]), batch[1]), call)
 
-    if _reuses_modules(model):
+    if _reuses_modules(model) or _updates_buffers(model):
         # a module object reached under several names: torch.func.functional_call does not
-        # reproduce its reuse faithfully, so differentiate the model itself (double backward)
+        # reproduce its reuse faithfully; a module in training mode that updates its buffers
+        # (BatchNorm) writes to tensors torch.func transforms cannot let it change. Differentiate
+        # the model itself (double backward, on copies of the buffers)
         with torch.enable_grad():
             op = HVPOperator(
                 _loss(model, loss_fn, batch, call),
@@ -233,7 +255,10 @@ def module_hessian(
             )
             h = op.to_dense()
     else:
-        h = hessian(loss_of, flat0, chunk_size=chunk_size)
+        with _named_as("hessian(loss_of)", call, "loss_fn(model(inputs), targets)"):
+            h = hessian(loss_of, flat0, chunk_size=chunk_size)
+    # detached: with params= a subset, the other parameters' graph would be attached to it
+    h = h.detach()
     if flat:
         return h
     return {
@@ -243,6 +268,22 @@ def module_hessian(
         }
         for ni, row in _split_last(h, chosen, 0).items()
     }
+
+
+@contextlib.contextmanager
+def _named_as(inner: str, call: str, argument: str) -> Iterator[None]:
+    """Word the errors of a transform run on an internal function (``inner``, e.g.
+    ``"hessian(loss_of)"``) as errors of the module helper ``call``, naming ``argument``
+    instead of the internal function's ``f``."""
+    try:
+        yield
+    except (GradkitError, TypeError, ValueError) as err:
+        text = str(err)
+        if type(err) not in (GradkitError, TypeError, ValueError) or not text.startswith(inner):
+            raise
+        rest = text[len(inner) :]
+        rest = f": {argument}:" + rest[len(": f:") :] if rest.startswith(": f:") else rest
+        raise type(err)(call + rest) from err
 
 
 def _reuses_modules(model: nn.Module) -> bool:
@@ -281,9 +322,14 @@ def module_jacobian(
     check_choice(mode, ("auto", "forward", "reverse"), call, "mode")
     chosen = select_params(model, params, call, given_order=True)
     flat0, call_with = _flat_call(model, chosen)
-    if _reuses_modules(model):  # see module_hessian: reverse mode on the model itself
+
+    def model_output(v: torch.Tensor) -> torch.Tensor:
+        return _check_output(call_with(v, inputs), call)
+
+    if _reuses_modules(model) or _updates_buffers(model):
+        # see module_hessian: reverse mode on the model itself (on copies of its buffers)
         with torch.enable_grad():
-            out = _forward(model, inputs)
+            out = _check_output(_forward(model, inputs), call)
             m = out.numel()
             eye = torch.eye(m, dtype=out.dtype, device=out.device).view(m, *out.shape)
             xs = list(chosen.values())
@@ -304,9 +350,27 @@ def module_jacobian(
             .detach()
         )
     else:
-        j = jacobian(lambda v: call_with(v, inputs), flat0, mode=mode, chunk_size=chunk_size)
+        with _named_as("jacobian(model_output)", call, "model"):
+            j = jacobian(model_output, flat0, mode=mode, chunk_size=chunk_size)
+        # detached: with params= a subset, the other parameters' graph would be attached to it
+        j = j.detach()
     o_shape = j.shape[:-1]
     return {
         n: blk.reshape((*o_shape, *chosen[n].shape))
         for n, blk in _split_last(j, chosen, -1).items()
     }
+
+
+def _check_output(out: Any, call: str) -> torch.Tensor:
+    """The model's output, refused unless it is one tensor."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            message(
+                call,
+                "model",
+                "a model returning one tensor",
+                describe(out),
+                "wrap the model so that it returns one tensor (stack or concatenate several)",
+            )
+        )
+    return out

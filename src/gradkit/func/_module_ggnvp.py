@@ -22,8 +22,7 @@ from torch import nn
 from gradkit._autograd import first_grads
 from gradkit._errors import describe, message
 from gradkit._params import LossFn
-from gradkit.func._common import _check_scalar
-from gradkit.func._module import _check_batch, _forward
+from gradkit.func._module import _check_batch, _forward, _scalar
 from gradkit.func._module_hvp import (
     _chosen_vectors,
     _layer_directional,
@@ -86,8 +85,7 @@ def module_ggnvp(
                 )
             )
         od = out.detach().requires_grad_(True)
-        loss = loss_fn(od, batch[1])
-        _check_scalar(loss, call)
+        loss = _scalar(loss_fn(od, batch[1]), call)
         if calls and not _only_recorded_uses(out, calls, owners or {}, chosen):
             calls = None  # a chosen parameter is used outside its layer: the plain trick
         jv = _jvp(out, xs, vs, owners, calls, call) if out.requires_grad else None

@@ -131,8 +131,17 @@ def _chosen_vectors(
                     "shape each vector like its parameter",
                 )
             )
-    vs = {n: v[n].to(p.dtype) for n, p in chosen.items()}
-    return chosen, vs
+        if v[n].dtype != p.dtype:  # a silent cast would round (float64) or truncate (integers)
+            raise TypeError(
+                message(
+                    call,
+                    f"v[{n!r}]",
+                    f"dtype {p.dtype} (that of the parameter)",
+                    describe(v[n]),
+                    f"convert it with v[{n!r}].to({p.dtype})",
+                )
+            )
+    return chosen, {n: v[n] for n in chosen}
 
 
 def _layer_owners(
