@@ -207,7 +207,9 @@ def jacobian(
 
     Returns:
         A tensor of shape ``O + X`` (or a tuple of them for a tuple ``argnums``), in the wider
-        of the argument's and the output's dtypes. Every mode gives the same Jacobian; an
+        of the argument's and the output's dtypes. Every mode gives the same Jacobian (but
+        where torch's rules differ at an undefined branch: ``where(v > 0, sqrt(v), 0)`` at
+        ``v < 0`` gives NaN in reverse mode, 0 in forward mode); an
         argument whose elements share memory (``expand``) is differentiated element by
         element, forward mode working on a dense copy of it.
 
