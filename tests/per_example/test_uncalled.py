@@ -1,7 +1,9 @@
-"""Parameters whose module is never called: a ``ParameterList`` or ``ParameterDict`` read by
-the module that holds it gets the loop oracle's statistics (the holder is differentiated by the
-vmap fallback); any other module whose parameters are used while it is not called is refused,
-since its statistics, made from its calls, would be 0 for every example."""
+"""Parameters used outside their module's calls. A ``ParameterList`` or ``ParameterDict`` read
+by the module that holds it gets the loop oracle's statistics (the holder is differentiated by
+the vmap fallback); any other module whose parameters are used while it is not called is
+refused, since its statistics, made from its calls, would be 0 for every example; and so is a
+parameter of a module the vmap fallback differentiates that is also read outside its calls
+(that use would be left out). Weight decay added to the loss is not a use on the examples."""
 
 from __future__ import annotations
 
@@ -122,3 +124,50 @@ def test_an_uncalled_module_in_weight_decay_only_is_not_a_use_on_the_examples() 
     assert torch.equal(stats["sub.g"].batch_l2, torch.zeros(6, dtype=D))
     ref = per_example_grads(model, F.mse_loss, x, y)
     assert_close(stats["fc.weight"].batch_l2, ref["fc.weight"].flatten(1).square().sum(1))
+
+
+class ReadTwice(nn.Module):
+    """A PReLU (differentiated by the vmap fallback) called, and its weight also read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.PReLU(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.act(h) + h * self.act.weight
+
+
+class Decayed(nn.Module):
+    """The same PReLU, its weight read outside its call only in weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.PReLU(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def test_a_fallback_parameter_also_read_outside_its_calls_is_refused() -> None:
+    torch.manual_seed(0)
+    model = ReadTwice().to(D)
+    x, y = _data()
+    with (
+        pytest.raises(GradkitError, match=r"'act.weight' used on the examples outside"),
+        track(model, "mean"),
+    ):
+        F.mse_loss(model(x), y).backward()
+
+
+def test_a_fallback_parameter_in_weight_decay_is_exact() -> None:
+    torch.manual_seed(0)
+    model = Decayed().to(D)
+    x, y = _data()
+    with track(model, "variance", "batch_grad", loss_reduction="sum") as stats:
+        loss = F.mse_loss(model(x), y, reduction="sum") + 0.1 * model.act.weight.square().sum()
+        loss.backward()
+    ref = per_example_grads(model, lambda o, t: F.mse_loss(o, t, reduction="sum"), x, y)
+    assert_close(stats["act.weight"].batch_grad, ref["act.weight"], rtol=1e-10, atol=1e-12)

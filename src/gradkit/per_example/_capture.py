@@ -27,7 +27,12 @@ from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._flat import unflatten
 from gradkit.per_example._fused import WeightSum
 from gradkit.per_example._layout import check_loss_reduction
-from gradkit.per_example._outside import check_outside_uses, check_uncalled, checked_module
+from gradkit.per_example._outside import (
+    check_outside_uses,
+    check_uncalled,
+    check_uses_outside_calls,
+    checked_module,
+)
 from gradkit.per_example._registry import (
     Use,
     _parametrized,
@@ -69,6 +74,9 @@ class UseRecord:
     nodes: list[Node] = field(default_factory=list)  # the graph nodes of its outputs
     checked: tuple[int, ...] = ()  # ids of its parameters whose other uses are refused
     pids: tuple[int, ...] = ()  # ids of all its tracked parameters
+    # the graph nodes of its inputs, where a walk of the call's own graph stops (kept for
+    # modules whose other uses are found that way: the vmap fallback's, a user's rule's)
+    inputs: list[Node] = field(default_factory=list)
     base: Node | None = None  # the base's node of an output that is a view of part of it
     arrivals: int = 0  # output gradients received (backward passes through this call)
     # a pass that built no graph added this call's examples to its parameters' statistics: a
@@ -88,6 +96,7 @@ class UseRecord:
         self.mean.release()
         self.verify = None
         self.nodes = []
+        self.inputs = []
         self.base = None
         self.call.output = None  # an expanded output holds the hook that holds this record
         self.sums = None
@@ -205,11 +214,10 @@ def check_pass(
         # the calls, so every example would get 0 for it
         held = {pid for r in counted for pid in r.pids}
         uncalled = {
-            pid: 0
-            for pid in found
-            if pid in unchecked and pid not in left_out and pid not in held
+            pid: 0 for pid in found if pid in unchecked and pid not in left_out and pid not in held
         }
         check_uncalled(nodes, uncalled, unchecked, calls, found)
+        check_uses_outside_calls(nodes, counted, unchecked, left_out, calls, found)
     return left_out
 
 

@@ -16,7 +16,7 @@ loss that a regularizer is added to has none). More such edges than calls raise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -24,7 +24,13 @@ from torch.autograd.graph import Node
 
 from gradkit._errors import GradkitError, message
 
-__all__ = ["CHECKED", "check_outside_uses", "check_uncalled", "checked_module"]
+__all__ = [
+    "CHECKED",
+    "check_outside_uses",
+    "check_uncalled",
+    "check_uses_outside_calls",
+    "checked_module",
+]
 
 CHECKED: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -150,6 +156,79 @@ def check_uncalled(
                 "which skips its hooks): every example's gradient would be 0",
                 "call the module itself (module(x)), keep such parameters as attributes of "
                 "the module that uses them (its calls are then tracked with its forward), or "
+                "freeze them (requires_grad_(False)) to track the rest",
+            )
+        )
+
+
+def _edges_inside(record: Any, pids: set[int]) -> dict[int, set[Node]]:
+    """``id -> nodes``: the graph edges into the accumulators of ``pids`` from the call
+    ``record``'s own nodes, found by walking back from its outputs to its inputs."""
+    inside: dict[int, set[Node]] = {}
+    stop = set(record.inputs)
+    stack, seen = list(record.nodes), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            variable = getattr(nxt, "variable", None)
+            if variable is None:
+                stack.append(nxt)
+            elif id(variable) in pids:
+                inside.setdefault(id(variable), set()).add(node)
+    return inside
+
+
+def check_uses_outside_calls(
+    roots: Sequence[Any],
+    records: Sequence[Any],
+    names: Mapping[int, str],
+    left_out: Collection[int],
+    calls: set[Node],
+    found: Mapping[int, list[Node]],
+) -> None:
+    """Raise when a parameter of ``names`` (ids: the vmap fallback's, a user's rule's, whose
+    calls may take it through several edges) is used on the examples outside the calls of its
+    module in this pass (``records``): the edges into its accumulator that no call's own graph
+    holds (from its outputs back to its inputs). Its per-example gradients, made from the
+    calls, would leave that use out (a PReLU's weight also read as ``h * act.weight``: the mean
+    0.88 off). A use apart from the examples (weight decay) is not one, as in
+    :func:`check_outside_uses`."""
+    inside: dict[int, set[Node]] = {}
+    for record in records:
+        pids = {pid for pid in record.pids if pid in names and pid in found}
+        if not pids or not record.nodes:
+            continue
+        pids -= set(left_out)
+        for pid in pids:
+            inside.setdefault(pid, set())
+        for pid, edges in _edges_inside(record, pids).items():
+            inside[pid].update(edges)
+    outside = {
+        pid: [node for node in found[pid] if node not in edges] for pid, edges in inside.items()
+    }
+    outside = {pid: nodes for pid, nodes in outside.items() if nodes}
+    if not outside:
+        return
+    parents, depends = _maps(roots, calls)
+    used = [names[pid] for pid, nodes in outside.items() if _on_examples(parents, depends, nodes)]
+    if used:
+        listed = ", ".join(repr(n) for n in sorted(used)[:3]) + (
+            f" and {len(used) - 3} more" if len(used) > 3 else ""
+        )
+        raise GradkitError(
+            message(
+                "per_example.track(model, ...)",
+                "model",
+                "tracked parameters used on the examples only inside their module's calls",
+                f"{listed} used on the examples outside their module's calls too (read "
+                "directly by another module, as h * layer.weight): their per-example "
+                "gradients, made from the calls, would leave that use out",
+                "call the module for that use too, move the use into the module's forward, or "
                 "freeze them (requires_grad_(False)) to track the rest",
             )
         )

@@ -643,6 +643,12 @@ class Tracker(TrackerResults):
                 pids=tuple(st.pids.values()),
                 base=base,
             )
+            if any(pid in self._unchecked for pid in record.pids):  # see check_pass
+                record.inputs = [
+                    a.grad_fn
+                    for a in flat_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor) and a.grad_fn is not None
+                ]
             self._records.append(record)
             st.forward_count += 1
             if isinstance(output, torch.Tensor) and hooked is not None:
