@@ -198,3 +198,53 @@ def test_an_epochs_short_last_window_gives_the_examples_own_statistics(tmp_path,
     assert record["examples"] == examples - first
     assert record["grad_norm"] == pytest.approx(float(g.mean(0).norm()), rel=1e-9)
     assert record["grad_variance"] == pytest.approx(float(g.var(0).sum()), rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`:UserWarning")
+def test_a_skipped_batch_is_recorded_with_zero_examples_and_training_goes_on(tmp_path):
+    """``training_step`` returning None (Lightning's way to skip a batch) in a tracked step
+    stopped the training with a GradkitError; the step is now a record of 0 examples without
+    statistics (one warning) and the next steps are the oracle's."""
+    x, y = data()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=B, shuffle=False
+    )
+
+    class Skipping(Module):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 0 else super().training_step(batch, batch_idx)
+
+    monitor = GradientMonitorCallback(every=1)
+    trainer = lightning.Trainer(
+        max_steps=2, logger=False, callbacks=[monitor], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="step 0 had no backward pass"):
+        trainer.fit(Skipping(), loader)
+    empty, second = monitor.monitor.records
+    assert empty["examples"] == 0 and empty["grad_norm"] is None
+    assert empty["noise_scale"] is None and empty["grad_variance"] is None
+    # the skipped batch changed no weight: the second batch at the initial ones
+    net, window = mlp(), slice(B, 2 * B)
+    params = list(net.parameters())
+    rows = []
+    for i in range(window.start, window.stop):
+        loss = nn.functional.cross_entropy(net(x[i : i + 1]), y[i : i + 1])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    g = torch.stack(rows)
+    assert second["examples"] == B
+    assert second["grad_norm"] == pytest.approx(float(g.mean(0).norm()), rel=1e-9)
+    assert second["grad_variance"] == pytest.approx(float(g.var(0).sum()), rel=1e-9)
+    assert _hooks(trainer.lightning_module) == 0
+
+
+def test_options_are_checked_when_the_callback_is_made():
+    with pytest.raises(ValueError, match=r"^GradientMonitorCallback\(every, \.\.\.\): every:"):
+        GradientMonitorCallback(every=0)
+    with pytest.raises(ValueError, match=r"\): loss_reduction: expected 'sum' or left out"):
+        GradientMonitorCallback(loss_reduction="mean")
+    with pytest.raises(TypeError, match=r"\): evry: expected one of its options: every, "):
+        GradientMonitorCallback(evry=3)
+    with pytest.raises(ValueError, match=r"^GradientMonitorCallback\(every, \.\.\.\): fallback"):
+        GradientMonitorCallback(fallback="never")

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 # standing in for CUDA's); a run of its GPU path is a check of its own
 pytestmark = pytest.mark.cpu_only
 
+from gradkit import GradkitError  # noqa: E402
 from gradkit.integrations.transformers import monitor_trainer  # noqa: E402
 
 D = torch.float64
@@ -199,3 +200,179 @@ def test_an_fp16_gradscaler_is_divided_out_of_the_statistics(tmp_path):
     for key in ("grad_norm", "grad_variance", "example_norm_q50", "noise_scale"):
         want = None if plain[key] is None else pytest.approx(plain[key], rel=1e-9)
         assert scaled[key] == want, key
+
+
+def _grad_norms(trainer):
+    """The Trainer's own pre-clipping gradient norm of each step (its log lines: step + 1)."""
+    return {h["step"] - 1: h["grad_norm"] for h in trainer.state.log_history if "loss" in h}
+
+
+def _fail_once(model, when):
+    """Make the model's ``when(call, batch size)``-th training forward raise an out-of-memory
+    error."""
+    calls = []
+
+    def pre(module, args, kwargs):
+        if module.training:
+            calls.append(kwargs["input_ids"].shape[0])
+            if when(len(calls), calls[-1]):
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def test_a_step_interrupted_by_an_out_of_memory_retry_is_not_merged_into_the_next(tmp_path):
+    """``auto_find_batch_size=True``: the Trainer catches an out-of-memory error in the second
+    micro-batch of tracked step 0 and trains again with a smaller batch. The open step stayed
+    open, its hooks on the model, and the first step of the new run counted the old
+    micro-batch too: 22 examples for 14, grad_norm 1.2538 for the Trainer's 0.8435."""
+    model = gpt2()
+    _fail_once(model, lambda call, size: call == 2 and size == 8)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=2,
+        max_steps=2, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0, auto_find_batch_size=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
+    )
+    callback = monitor_trainer(trainer, every=1)
+    trainer.train()
+    size = trainer._train_batch_size
+    assert size < 8
+    records = callback.monitor.records
+    assert [(r["step"], r["examples"]) for r in records] == [(0, 2 * size), (1, N - 2 * size)]
+    own = _grad_norms(trainer)
+    for r in records:
+        assert r["grad_norm"] == pytest.approx(own[r["step"]], rel=1e-6), r["step"]
+    assert _hooks(model) == 0
+
+
+def test_a_train_that_raised_leaves_no_hook_and_the_next_train_is_exact(tmp_path):
+    """An error in the third micro-batch of tracked step 0, caught by the user: the Trainer has
+    no event for it, and 17 forward hooks stayed on the model (running on whatever the model
+    did next); the next ``train()`` merged the two micro-batches into its first step."""
+    model = gpt2()
+    _fail_once(model, lambda call, size: call == 3)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, gradient_accumulation_steps=4,
+        max_steps=2, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
+    )
+    callback = monitor_trainer(trainer, every=1)
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.train()
+    assert _hooks(model) == 0 and not callback.window._open
+    trainer.train()
+    records = callback.monitor.records
+    assert [(r["step"], r["examples"]) for r in records] == [(0, 12), (1, 12)]
+    own = _grad_norms(trainer)
+    for r in records:
+        assert r["grad_norm"] == pytest.approx(own[r["step"]], rel=1e-6), r["step"]
+
+
+@pytest.mark.parametrize("how", ["Trainer(callbacks=...)", "add_callback"])
+def test_a_hand_added_callback_reaches_the_loggers_before_it(tmp_path, how):
+    """Added by hand, the callback came after the Trainer's reporting callbacks (TensorBoard,
+    W&B, ...) and put its metrics into ``logs`` once they had run: none reached them. It now
+    goes first among the callbacks and logs its own lines, as with ``monitor_trainer``."""
+    from gradkit.integrations.transformers import GradientMonitorCallback
+
+    seen = []
+
+    class Logger(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "gradkit/grad_norm" in logs:
+                seen.append((state.global_step, logs["gradkit/grad_norm"]))
+
+    callback = GradientMonitorCallback(every=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    hand = [Logger(), callback] if how != "add_callback" else [Logger()]
+    trainer = transformers.Trainer(
+        model=gpt2(), args=args, train_dataset=Rows(), data_collator=Recorder(), callbacks=hand
+    )
+    if how == "add_callback":
+        trainer.add_callback(callback)
+    trainer.train()
+    own = _grad_norms(trainer)
+    assert [step for step, _ in seen] == [1, 3]
+    for step, norm in seen:
+        assert norm == pytest.approx(own[step - 1], rel=1e-6)
+    assert trainer.callback_handler.callbacks[0] is callback
+    # lines of their own: the Trainer's lines (and the loss it averages) are left as they are
+    assert not any("loss" in h for h in trainer.state.log_history if "gradkit/grad_norm" in h)
+
+
+def test_reentrant_gradient_checkpointing_is_refused_with_the_setting_that_works(tmp_path):
+    """Reentrant checkpointing hides the examples from the monitor: the refusal spoke of
+    batch_dim; it now names the Trainer's setting and use_reentrant=False, which works."""
+
+    def run(reentrant):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1,
+            logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+            disable_tqdm=True, seed=0, activation_checkpointing=True,
+            activation_checkpointing_kwargs={"use_reentrant": reentrant},
+        )  # fmt: skip
+        model = gpt2()
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Rows(), data_collator=Recorder()
+        )
+        callback = monitor_trainer(trainer, every=1)
+        return trainer, callback, model
+
+    trainer, _, model = run(True)
+    with pytest.raises(GradkitError, match=r"activation_checkpointing_kwargs.*use_reentrant=False"):
+        trainer.train()
+    # only the Trainer's own hook (its embeddings' output requires grad) stays
+    assert _hooks(model) == len(model.transformer.wte._forward_hooks) == 1
+    trainer, callback, _ = run(False)
+    trainer.train()
+    (record,) = callback.monitor.records
+    assert record["grad_norm"] == pytest.approx(_grad_norms(trainer)[0], rel=1e-6)
+
+
+_MT = r"^monitor_trainer\(trainer, \.\.\.\): "
+_CB = r"^GradientMonitorCallback\(every, \.\.\.\): "
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (lambda t: monitor_trainer(t, every=0), ValueError, _MT + "every:"),
+        (
+            lambda t: monitor_trainer(t, loss_reduction="mean"),
+            ValueError,
+            _MT + "loss_reduction: expected 'sum' or left out",
+        ),
+        (lambda t: monitor_trainer(t, quantities=("batch_l2",)), ValueError, _MT + "quantities"),
+        (lambda t: monitor_trainer(t, writer=123), TypeError, _MT + "writer"),
+        (
+            lambda t: monitor_trainer(t, evry=5),
+            TypeError,
+            _MT + "evry: expected one of its options: every, ",
+        ),
+        (lambda t: monitor_trainer(t.model), TypeError, _MT + "trainer: expected a transfo"),
+        (lambda t: monitor_trainer(None), TypeError, _MT + "trainer: .* got None"),
+        (lambda t: _callback(every=0), ValueError, _CB + "every:"),
+        (lambda t: _callback(fallback="never"), ValueError, _CB + "fallback"),
+    ],
+)
+def test_option_errors_name_the_call_made_and_the_argument_passed(tmp_path, make, error, pattern):
+    """They named GradientMonitor(model, ...), or scale_to_grad (never passed), or came as a
+    bare TypeError or AttributeError, or only once training had started."""
+    trainer = _gpt2_trainer(tmp_path, max_steps=1, logging_steps=1)
+    with pytest.raises(error, match=pattern):
+        make(trainer)
+
+
+def _callback(**options):
+    from gradkit.integrations.transformers import GradientMonitorCallback
+
+    return GradientMonitorCallback(**options)

@@ -384,3 +384,26 @@ def test_json_lines_are_strict_json_and_bad_paths_are_refused_at_once(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"whose folder cannot be created"):
         JsonLinesWriter(blocker / "sub" / "g.jsonl")
+
+
+def test_a_tracked_step_without_backward_records_zero_examples_instead_of_stopping(tmp_path):
+    """A tracked step with no backward pass (a batch the training loop skipped) raised a
+    GradkitError from the per-example norms, which stopped the training; it is now a record
+    of 0 examples without statistics (one warning), and the next step is the oracle's."""
+    model, x, y = problem()
+    path = tmp_path / "g.jsonl"
+    monitor = GradientMonitor(model, writer=path)
+    with pytest.warns(UserWarning, match="step 0 had no backward pass"), monitor.step() as step:
+        step.loss = 1.5
+    with monitor.step():
+        nn.functional.cross_entropy(model(x), y).backward()
+    empty, record = read_records(path)
+    assert empty["step"] == 0 and empty["examples"] == 0 and empty["loss"] == 1.5
+    for key in ("grad_norm", "grad_variance", "noise_scale", "snr_median"):
+        assert empty[key] is None, key
+    assert set(empty["layers"]) == {"0", "2"}
+    assert all(v is None for layer in empty["layers"].values() for v in layer.values())
+    ref = per_example(model, x, y)
+    norm = math.sqrt(sum(float(g.mean(0).square().sum()) for g in ref.values()))
+    assert record["examples"] == len(x)
+    assert record["grad_norm"] == pytest.approx(norm, rel=1e-10)

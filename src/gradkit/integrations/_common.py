@@ -3,14 +3,90 @@ normalization, and a record as the flat ``gradkit/...`` metrics trainers log."""
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any
 
 import torch
+from torch import nn
 
+from gradkit._errors import message
+from gradkit._validate import check_bool
 from gradkit.monitor import GradientMonitor
-from gradkit.monitor._writers import flat_scalars
+from gradkit.monitor._monitor import check_options
+from gradkit.monitor._writers import flat_scalars, make_writers
+from gradkit.per_example import track
 
-__all__ = ["MonitorWindow", "metrics", "monitor_options"]
+__all__ = ["MonitorWindow", "check_window_options", "metrics", "monitor_options"]
+
+# the keyword arguments of GradientMonitor the callbacks pass on (every, the model and the
+# optimizer are the trainer's)
+_MONITOR_OPTIONS = (
+    "writer",
+    "quantities",
+    "layers",
+    "lr",
+    "loss_reduction",
+    "scale_to_grad",
+    "group",
+)
+
+
+def check_window_options(
+    call: str, every: Any, options: dict[str, Any], given: dict[str, Any], own: tuple[str, ...]
+) -> None:
+    """Check a callback's options when it is made (before it has a model), naming ``call``:
+    ``options`` the monitor's keyword arguments, ``given`` those the user passed among them,
+    ``own`` the callback's other arguments (for the message)."""
+    accepted = _MONITOR_OPTIONS + tuple(
+        name
+        for name in inspect.signature(track).parameters
+        if name not in ("model", "quantities", *_MONITOR_OPTIONS)
+    )
+    unknown = [name for name in given if name not in accepted]
+    if unknown:
+        raise TypeError(
+            message(
+                call,
+                unknown[0],
+                "one of its options: " + ", ".join(own + accepted),
+                f"{unknown[0]}={given[unknown[0]]!r}",
+                "check the spelling of the option",
+            )
+        )
+    reduction = given.get("loss_reduction", "sum")
+    if reduction != "sum" and "scale_to_grad" not in given:
+        raise ValueError(
+            message(
+                call,
+                "loss_reduction",
+                "'sum' or left out (the trainer divides the loss itself: the callback takes "
+                "each example's share of it, scaled so that the individual gradients' mean is "
+                "the gradient in .grad)",
+                repr(reduction),
+                "leave loss_reduction out",
+            )
+        )
+    check_options(
+        call,
+        quantities=options["quantities"],
+        every=every,
+        layers=options["layers"],
+        loss_reduction=options["loss_reduction"],
+        scale_to_grad=options["scale_to_grad"],
+        optimizer=None,
+        lr=options.get("lr"),
+    )
+    make_writers(options["writer"], call)
+    track_options = {k: v for k, v in options.items() if k not in _MONITOR_OPTIONS}
+    track_options["loss_reduction"] = options["loss_reduction"]
+    if isinstance(track_options.get("batch_dim"), dict):  # module names: checked with the model
+        del track_options["batch_dim"]
+    try:
+        track(nn.Linear(1, 1), *options["quantities"], **track_options)
+    except (TypeError, ValueError) as err:
+        text = str(err).replace("per_example.track(model, ...)", call, 1)
+        raise type(err)(text) from None
 
 
 def monitor_options(
@@ -52,12 +128,19 @@ class MonitorWindow:
         layers: bool,
         log_layers: bool,
         options: dict[str, Any],
+        call: str,
+        own: tuple[str, ...] = ("every", "log_layers"),
     ) -> None:
+        self.call = call
+        self._options = monitor_options(writer, quantities, layers, options)
+        check_window_options(call, every, self._options, options, own)
+        check_bool(log_layers, call, "log_layers")
         self.every = every
         self.log_layers = log_layers
-        self._options = monitor_options(writer, quantities, layers, options)
         self.monitor: GradientMonitor | None = None
         self._open = False
+        self._step: int | None = None  # the open step's number
+        self._warned_stale = False
 
     def attach(
         self, model: torch.nn.Module, optimizer: Any = None, scaler: Any = None
@@ -75,10 +158,24 @@ class MonitorWindow:
         return self.monitor
 
     def start(self, step: int) -> None:
-        """Open optimizer step ``step`` when it is tracked (nothing otherwise)."""
-        if self.monitor is not None and not self._open and self.monitor.tracks(step):
+        """Open optimizer step ``step`` when it is tracked (nothing otherwise). A tracked step
+        still open did not reach its optimizer step (the training loop left it, or skipped
+        it): its hooks are removed and its micro-batches dropped, with a warning, rather than
+        counted in step ``step``."""
+        if self._open:
+            if not self._warned_stale:
+                self._warned_stale = True
+                warnings.warn(
+                    f"{self.call}: tracked step {self._step} did not reach its optimizer step "
+                    f"before step {step} began: its statistics are dropped (no record), and "
+                    f"step {step} is counted on its own. Said once per callback.",
+                    stacklevel=3,
+                )
+            self.abort()
+        if self.monitor is not None and self.monitor.tracks(step):
             self.monitor.begin(step)
             self._open = True
+            self._step = step
 
     def finish(self, divided_by: int | None = None) -> dict[str, float] | None:
         """Close the open step: its metrics (None when no step was open); ``divided_by``: as

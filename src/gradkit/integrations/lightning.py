@@ -35,6 +35,8 @@ from gradkit.monitor import GradientMonitor
 
 __all__ = ["GradientMonitorCallback"]
 
+_CALL = "GradientMonitorCallback(every, ...)"
+
 
 class GradientMonitorCallback(Callback):
     """A Lightning ``Callback`` running a :class:`~gradkit.monitor.GradientMonitor` on the
@@ -62,7 +64,7 @@ class GradientMonitorCallback(Callback):
         **options: Any,
     ) -> None:
         super().__init__()
-        self.window = MonitorWindow(every, writer, quantities, layers, log_layers, options)
+        self.window = MonitorWindow(every, writer, quantities, layers, log_layers, options, _CALL)
 
     @property
     def monitor(self) -> GradientMonitor | None:

@@ -30,23 +30,57 @@ tracked step, is divided out; with the callback alone, pass
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
+from gradkit._errors import GradkitError, describe, message
 from gradkit.integrations._common import MonitorWindow
 from gradkit.monitor import GradientMonitor
 
 __all__ = ["GradientMonitorCallback", "monitor_trainer"]
+
+_CALL = "GradientMonitorCallback(every, ...)"
+_OWN = ("every", "log_layers", "model")
+
+
+def _caller(callback: Any) -> tuple[Any, Any]:
+    """The Trainer's ``CallbackHandler`` calling ``callback`` now and the Trainer that owns it,
+    found up the stack (None where not found): an event passes neither."""
+    handler = trainer = None
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            if handler is None:
+                if isinstance(owner, CallbackHandler) and any(
+                    c is callback for c in owner.callbacks
+                ):
+                    handler = owner
+            elif isinstance(owner, Trainer) and owner.callback_handler is handler:
+                trainer = owner
+                break
+            frame = frame.f_back
+    finally:
+        del frame
+    return handler, trainer
 
 
 class GradientMonitorCallback(TrainerCallback):
     """A ``TrainerCallback`` running a :class:`~gradkit.monitor.GradientMonitor` on the
     Trainer's model: tracking starts at ``on_step_begin`` (before the window's first
     micro-batch) of every ``every``-th optimizer step and ends at ``on_pre_optimizer_step``
-    (after its last backward). Prefer :func:`monitor_trainer`, which also puts the callback
-    first so that the Trainer's loggers receive its metrics.
+    (after its last backward). Added by hand (``Trainer(callbacks=[...])``,
+    ``trainer.add_callback``), it moves itself first among the Trainer's callbacks when the
+    Trainer first calls it, as :func:`monitor_trainer` puts it, so that the Trainer's loggers
+    receive its metrics.
 
     Args:
         every: track optimizer steps ``0, every, 2 every, ...``.
@@ -71,11 +105,17 @@ class GradientMonitorCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **options: Any,
     ) -> None:
-        self.window = MonitorWindow(every, writer, quantities, layers, log_layers, options)
+        call = options.pop("_call", _CALL)  # monitor_trainer's errors name monitor_trainer
+        self.window = MonitorWindow(
+            every, writer, quantities, layers, log_layers, options, call, _OWN
+        )
         self._pending: dict[str, float] | None = None
-        # set by monitor_trainer: the metrics then go out through trainer.log, leaving the
-        # Trainer's own logging (and the loss it averages between logs) as it is
+        # the Trainer (set by monitor_trainer, else found when the Trainer calls): the metrics
+        # then go out through trainer.log, leaving the Trainer's own logging (and the loss it
+        # averages between logs) as it is
         self.trainer: Any = None
+        self._warned_order = False
+        self._guarded: Any = None  # the Trainer whose training_step closes an open step
         if model is not None:
             self.window.attach(model)
 
@@ -84,7 +124,85 @@ class GradientMonitorCallback(TrainerCallback):
         """The :class:`~gradkit.monitor.GradientMonitor` (after training starts)."""
         return self.window.monitor
 
+    def _lead(self) -> None:
+        """Go first among the Trainer's callbacks, so that the reporting callbacks (TensorBoard,
+        W&B, the console) after it see its metrics in ``logs``, and log through that Trainer; a
+        warning, once, where the Trainer cannot be found."""
+        handler, trainer = _caller(self)
+        if handler is None:
+            if not self._warned_order:
+                self._warned_order = True
+                warnings.warn(
+                    f"{_CALL}: the Trainer calling this callback was not found, so it cannot "
+                    "go first among the Trainer's callbacks: its gradkit/... metrics reach only "
+                    "the loggers that come after it. Add it with "
+                    "gradkit.integrations.transformers.monitor_trainer(trainer, ...). Said once.",
+                    stacklevel=3,
+                )
+            return
+        callbacks = handler.callbacks
+        if callbacks[0] is not self:
+            # (CallbackHandler walks the list by index: the callbacks after this one still run)
+            del callbacks[next(i for i, c in enumerate(callbacks) if c is self)]
+            callbacks.insert(0, self)
+        if trainer is not None:
+            self.trainer = trainer
+
+    def _guard(self, trainer: Any, args: Any) -> None:
+        """Close the open step when the Trainer's ``training_step`` raises (the Trainer has no
+        event for it): no hook stays on the model after a ``train()`` that raised."""
+        if self._guarded is trainer:
+            return
+        self._guarded = trainer
+        window, step = self.window, trainer.training_step
+        # (transformers 5 names them activation_checkpointing, with the old names as aliases)
+        name = (
+            "activation_checkpointing"
+            if hasattr(args, "activation_checkpointing")
+            else "gradient_checkpointing"
+        )
+        kwargs = getattr(args, name + "_kwargs", None) or {}
+        reentrant = bool(getattr(args, name, False)) and kwargs.get("use_reentrant") is True
+
+        @functools.wraps(step)
+        def training_step(*a: Any, **kw: Any) -> Any:
+            try:
+                return step(*a, **kw)
+            except GradkitError as err:
+                tracked = window._open
+                window.abort()
+                if tracked and reentrant:
+                    raise GradkitError(
+                        message(
+                            window.call,
+                            f"the Trainer's {name}_kwargs",
+                            "use_reentrant=False (the monitor follows each example's gradient "
+                            "through non-reentrant checkpointing, not through the reentrant "
+                            "one)",
+                            f"{kwargs!r}",
+                            f"pass TrainingArguments({name}=True, "
+                            f"{name}_kwargs={{'use_reentrant': False}})",
+                        )
+                    ) from err
+                raise
+            except BaseException:
+                window.abort()
+                raise
+
+        trainer.training_step = training_step
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._lead()
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # a step left open by a train() that raised part-way (under auto_find_batch_size the
+        # Trainer itself catches the out-of-memory error and trains again): its hooks go, its
+        # micro-batches are not counted in the new run's first step
+        self.window.abort()
+        self._pending = None
+        self._lead()
+        if self.trainer is not None:
+            self._guard(self.trainer, args)
         if kwargs.get("model") is not None:
             self.window.attach(kwargs["model"], kwargs.get("optimizer"))
 
@@ -105,7 +223,7 @@ class GradientMonitorCallback(TrainerCallback):
             numbers, self._pending = self._pending, None
             self.trainer.log(dict(numbers))
             return control
-        # added by hand: this step's log carries them (its loss averages over fewer steps)
+        # no Trainer found: this step's log carries them (its loss averages over fewer steps)
         control.should_log = True
         return control
 
@@ -131,11 +249,33 @@ def monitor_trainer(trainer: Any, every: int = 50, **options: Any) -> GradientMo
         trainer: a ``transformers.Trainer``.
         every, **options: as :class:`GradientMonitorCallback`.
     """
+    call = "monitor_trainer(trainer, ...)"
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            message(
+                call,
+                "trainer",
+                "a transformers.Trainer",
+                describe(trainer),
+                "make the Trainer first (Trainer(model=model, args=args, ...)) and pass it; "
+                "a model alone has no training loop to hook into",
+            )
+        )
+    if "model" in options:
+        raise TypeError(
+            message(
+                call,
+                "model",
+                "left out (the Trainer's model is watched)",
+                describe(options["model"]),
+                "leave model out, or add GradientMonitorCallback(model=...) yourself",
+            )
+        )
     # under fp16 the accelerator's GradScaler multiplies the loss the Trainer backpropagates
     scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
     if scaler is not None and options.get("loss_scale") is None:
         options["loss_scale"] = scaler
-    callback = GradientMonitorCallback(every, model=trainer.model, **options)
+    callback = GradientMonitorCallback(every, model=trainer.model, _call=call, **options)
     callback.trainer = trainer
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback

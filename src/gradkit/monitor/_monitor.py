@@ -18,13 +18,75 @@ from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
 from gradkit._validate import check_bool, check_int, check_module
-from gradkit.monitor._summary import summarize
+from gradkit.monitor._summary import _layer, summarize
 from gradkit.monitor._writers import make_writers
 from gradkit.per_example import Tracker, track
 
-__all__ = ["GradientMonitor", "MonitorStep", "read_records"]
+__all__ = ["GradientMonitor", "MonitorStep", "check_options", "read_records"]
 
 _CALL = "GradientMonitor(model, ...)"
+
+
+def check_options(
+    call: str,
+    *,
+    quantities: Any,
+    every: Any,
+    layers: Any,
+    loss_reduction: Any,
+    scale_to_grad: Any,
+    optimizer: Any,
+    lr: Any,
+) -> None:
+    """Check the options of a :class:`GradientMonitor` (not the model, the writer or the
+    options of ``track``), naming ``call`` in the errors: the trainer callbacks check theirs
+    when they are made, before they have a model."""
+    if isinstance(quantities, str) or not all(isinstance(q, str) for q in quantities):
+        raise TypeError(
+            message(
+                call,
+                "quantities",
+                "a tuple of quantity names",
+                describe(quantities),
+                "pass e.g. quantities=('variance', 'batch_l2')",
+            )
+        )
+    if "variance" not in quantities:
+        raise ValueError(
+            message(
+                call,
+                "quantities",
+                "'variance' among them (the norm, noise scale and SNR need it)",
+                repr(tuple(quantities)),
+                "pass e.g. quantities=('variance', 'batch_l2')",
+            )
+        )
+    check_int(every, call, "every", low=1, example=10)
+    check_bool(layers, call, "layers")
+    check_bool(scale_to_grad, call, "scale_to_grad")
+    if scale_to_grad and loss_reduction != "sum":
+        raise ValueError(
+            message(
+                call,
+                "scale_to_grad",
+                "False unless loss_reduction='sum' (the individual gradients are the "
+                "shares of the summed loss, then scaled)",
+                "True with loss_reduction=" + repr(loss_reduction),
+                "pass loss_reduction='sum' with scale_to_grad=True",
+            )
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            message(
+                call,
+                "optimizer",
+                "None or a torch.optim.Optimizer",
+                describe(optimizer),
+                "pass the model's optimizer",
+            )
+        )
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+        raise ValueError(message(call, "lr", "None or a number > 0", repr(lr), "pass e.g. lr=1e-3"))
 
 
 @dataclass
@@ -127,56 +189,17 @@ class GradientMonitor:
         **track_options: Any,
     ) -> None:
         check_module(model, _CALL, "pass the model being trained")
-        if isinstance(quantities, str) or not all(isinstance(q, str) for q in quantities):
-            raise TypeError(
-                message(
-                    _CALL,
-                    "quantities",
-                    "a tuple of quantity names",
-                    describe(quantities),
-                    "pass e.g. quantities=('variance', 'batch_l2')",
-                )
-            )
-        if "variance" not in quantities:
-            raise ValueError(
-                message(
-                    _CALL,
-                    "quantities",
-                    "'variance' among them (the norm, noise scale and SNR need it)",
-                    repr(tuple(quantities)),
-                    "pass e.g. quantities=('variance', 'batch_l2')",
-                )
-            )
+        check_options(
+            _CALL,
+            quantities=quantities,
+            every=every,
+            layers=layers,
+            loss_reduction=loss_reduction,
+            scale_to_grad=scale_to_grad,
+            optimizer=optimizer,
+            lr=lr,
+        )
         self.every = check_int(every, _CALL, "every", low=1, example=10)
-        check_bool(layers, _CALL, "layers")
-        check_bool(scale_to_grad, _CALL, "scale_to_grad")
-        if scale_to_grad and loss_reduction != "sum":
-            raise ValueError(
-                message(
-                    _CALL,
-                    "scale_to_grad",
-                    "False unless loss_reduction='sum' (the individual gradients are the "
-                    "shares of the summed loss, then scaled)",
-                    "True with loss_reduction=" + repr(loss_reduction),
-                    "pass loss_reduction='sum' with scale_to_grad=True",
-                )
-            )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                message(
-                    _CALL,
-                    "optimizer",
-                    "None or a torch.optim.Optimizer",
-                    describe(optimizer),
-                    "pass the model's optimizer",
-                )
-            )
-        if lr is not None and (
-            isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0
-        ):
-            raise ValueError(
-                message(_CALL, "lr", "None or a number > 0", repr(lr), "pass e.g. lr=1e-3")
-            )
         self.model = model
         self.quantities = tuple(quantities)
         self.optimizer = optimizer
@@ -184,6 +207,7 @@ class GradientMonitor:
         self.layers = layers
         self.scale_to_grad = scale_to_grad
         self._warned_mixed = False  # see _share_scale
+        self._warned_empty = False  # see _empty_record
         self.group = group
         self._track = {"loss_reduction": loss_reduction, **track_options}
         self._writers = make_writers(writer, _CALL)
@@ -303,6 +327,27 @@ class GradientMonitor:
             )
         return float(stats.num_examples)
 
+    def _empty_record(self, index: int, stats: Any, loss: Any) -> dict[str, Any]:
+        """The record of a tracked step without any example (no backward pass through the
+        model: a batch the training loop skipped): 0 examples, every statistic None."""
+        if not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                f"GradientMonitor: tracked step {index} had no backward pass through the model "
+                "(a skipped batch, or backward run outside the step): its record has 0 "
+                "examples and no statistics. Said once per monitor.",
+                stacklevel=4,
+            )
+        empty: dict[str, Any] = dict.fromkeys(
+            ("grad_norm", "grad_variance", "noise_scale", "snr_median")
+        )
+        record: dict[str, Any] = {"step": index, "examples": 0, **empty}
+        if loss is not None:
+            record["loss"] = float(loss)
+        if self.layers:
+            record["layers"] = {_layer(name): dict(empty) for name in stats}
+        return record
+
     def _summarize(self, current: MonitorStep, divided_by: int | None = None) -> dict[str, Any]:
         stats = current.stats
         assert stats is not None
@@ -311,19 +356,22 @@ class GradientMonitor:
         loss = current.loss
         if isinstance(loss, torch.Tensor):
             loss = float(loss.detach().double().mean())  # a float64 loss kept to the last digit
-        scale = 1.0
-        if self.scale_to_grad:
-            scale = self._share_scale(current.index, stats, divided_by)
-        norms = stats.batch_l2() if "batch_l2" in self.quantities else None
-        record = summarize(
-            stats,
-            current.index,
-            norms=norms,
-            lr=self._learning_rate(),
-            loss=None if loss is None else float(loss),
-            layers=self.layers,
-            scale=scale,
-        )
+        if stats.num_examples == 0:  # no backward pass: a skipped batch
+            record = self._empty_record(current.index, stats, loss)
+        else:
+            scale = 1.0
+            if self.scale_to_grad:
+                scale = self._share_scale(current.index, stats, divided_by)
+            norms = stats.batch_l2() if "batch_l2" in self.quantities else None
+            record = summarize(
+                stats,
+                current.index,
+                norms=norms,
+                lr=self._learning_rate(),
+                loss=None if loss is None else float(loss),
+                layers=self.layers,
+                scale=scale,
+            )
         self.records.append(record)
         if _rank() == 0:
             for write in self._writers:
