@@ -104,3 +104,26 @@ def test_float32_matches_torch_and_keeps_dtype():
     assert all(p.dtype == torch.float32 for p in params.values())
     assert all(v.dtype == torch.float32 for v in state.exp_avg.values())
     assert_close(params, {n: p.detach() for n, p in net.named_parameters()}, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_float32_tensor_hyperparameters_in_a_float64_run_are_not_rounded(name: str) -> None:
+    """A float32 ``torch.tensor(0.9)`` beta beside float64 parameters: the bias corrections
+    ``1 - beta**t`` were computed in float32 (the weights 1.9e-6 off after 20 steps)."""
+    f32 = torch.float32
+    lr, b1, b2, wd = (torch.tensor(v, dtype=f32) for v in (0.1, 0.9, 0.999, 0.05))
+    opt = getattr(optim, name)(lr=lr, betas=(b1, b2), weight_decay=wd)
+    w0 = torch.tensor([1.0, -2.0, 3.0], dtype=D)
+    g = torch.tensor([0.3, 0.1, -0.7], dtype=D)
+    params = {"w": w0.clone()}
+    state = opt.init(params)
+    ref = w0.clone().requires_grad_(True)
+    torch_opt = getattr(torch.optim, "Adam" if name == "adam" else "AdamW")(
+        [ref], lr=float(lr), betas=(float(b1), float(b2)), weight_decay=float(wd)
+    )
+    for t in range(20):
+        params, state = opt.update({"w": g * (1 + 0.1 * t)}, state, params)
+        ref.grad = g * (1 + 0.1 * t)
+        torch_opt.step()
+    assert params["w"].dtype == D
+    assert_close(params["w"], ref.detach(), rtol=1e-14, atol=1e-15)

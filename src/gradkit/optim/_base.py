@@ -34,7 +34,7 @@ from gradkit._tree import (
     structure_of,
 )
 from gradkit._validate import check_bool
-from gradkit.optim._values import Bounds, Scalar, check_value, resolve
+from gradkit.optim._values import Bounds, Scalar, check_value, resolve, widened
 
 __all__ = ["Optimizer", "UpdateRule", "apply_updates", "lerp", "no_buffer", "safe_sqrt"]
 
@@ -370,7 +370,9 @@ class Optimizer:
             if m is not None:
                 g = torch.where(m, g, torch.zeros_like(g))
                 p_in = torch.where(m, p, torch.zeros_like(p))
-            h = {k: resolve(v, k, structure, i, p, step, call) for k, v in values.items()}
+            h = {
+                k: widened(resolve(v, k, structure, i, p, step, call), p) for k, v in values.items()
+            }
             d, updated = self._rule(g, p_in, own, counts[i], h)
             if m is not None:
                 d = torch.where(m, d, -p)

@@ -166,6 +166,22 @@ def is_zero(value: Any) -> bool:
     return False
 
 
+def widened(value: Scalar, param: torch.Tensor) -> Scalar:
+    """``value`` in ``param``'s dtype where it is a floating tensor of a narrower one (a float32
+    ``torch.tensor(0.9)`` beside float64 parameters): an update rule's arithmetic on tensors and
+    numbers alone (Adam's bias corrections ``1 - beta**t``) stays in the tensor's dtype, which
+    would round the step (1e-6 relative in float32). Differentiable (``.to``)."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and param.is_floating_point()
+        and value.dtype != param.dtype
+        and torch.finfo(value.dtype).bits < torch.finfo(param.dtype).bits
+    ):
+        return value.to(param.dtype)
+    return value
+
+
 def resolve(
     value: Any,
     name: str,
