@@ -446,3 +446,18 @@ def test_exact_diagonals_refuse_a_model_that_mixes_examples(kind):
     dense = op @ torch.eye(sum(p.numel() for p in model.parameters()), dtype=D)
     est = diagonal(op, method="hutchinson", probes=4000, generator=_gen(1))
     assert_close(est.value, dense.diagonal(), rtol=0.2, atol=0.05)
+
+
+def test_the_empirical_fisher_leaves_the_random_stream_as_it_was():
+    """Only the Monte Carlo Fisher samples; the empirical one drew a seed all the same, which
+    moved the caller's next dropout mask."""
+    model, loss_fn, batch = ce_problem()
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    F_emp = Fisher(model, loss_fn, batch, kind="empirical")
+    assert torch.equal(torch.rand(3), want)
+    torch.manual_seed(0)
+    Fisher(model, loss_fn, batch, kind="mc")  # draws its seed, as documented
+    assert not torch.equal(torch.rand(3), want)
+    assert F_emp.dense().shape[0] == sum(p.numel() for p in model.parameters())

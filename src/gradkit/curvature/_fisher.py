@@ -193,10 +193,14 @@ class Fisher(CurvatureOperator):
             if not callable(lik):
                 check_choice(lik, ("categorical", "gaussian"), call, "likelihood")
             self.likelihood = lik
-        kw: dict[str, Any] = {"dtype": torch.int64, "device": "cpu"}
-        if generator is not None:
-            kw.update(generator=generator, device=generator.device)
-        self._seed = int(torch.randint(0, 2**62, (), **kw))
+        # the seed of the sampled targets, drawn only where targets are sampled: the empirical
+        # Fisher leaves the caller's random stream as it was
+        self._seed = 0
+        if self.kind == "mc":
+            kw: dict[str, Any] = {"dtype": torch.int64, "device": "cpu"}
+            if generator is not None:
+                kw.update(generator=generator, device=generator.device)
+            self._seed = int(torch.randint(0, 2**62, (), **kw))
 
     def _by_examples(self) -> bool:
         # the Monte Carlo Fisher of a Gaussian or a callable likelihood is a mean over the
