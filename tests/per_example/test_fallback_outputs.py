@@ -297,3 +297,22 @@ def test_outputs_holding_the_examples_in_different_dimensions_name_the_way_out()
     words = r"outputs hold the examples in different dimensions \(output 1 along dimension 1\)"
     with pytest.raises(GradkitError, match=words), track(model, "variance"):
         model(x).sum().backward()
+
+
+def test_a_rerun_differing_among_subnormals_is_not_a_disagreement() -> None:
+    """Activations decayed to 1e-43 (an EfficientNet's BatchNorm in float32) re-ran one
+    subnormal step (1.4e-45) off the batch's: no tolerance relative to them could pass, and a
+    valid model was refused. Differences below float's smallest normal number are rounding."""
+    from gradkit.per_example._batch import Dims
+    from gradkit.per_example.rules._fallback import _reruns_differ
+
+    want = torch.tensor([[1.55544e-43, 4.18e-43], [2.0e-43, 3.0e-43]], dtype=torch.float32)
+    got = (want + torch.tensor(1.4e-45))[:, :, None].movedim(2, 1)  # [N, 1, ...] per example
+    dims = Dims([0], [0], [False], values=[want], versions=[want._version])
+    assert not bool(_reruns_differ(dims, [0], [got]))
+    normal = want * 1e30  # a real disagreement is still found
+    dims = Dims([0], [0], [False], values=[normal], versions=[normal._version])
+    off = normal[:, None].clone()
+    off[0, 0, 1] *= 1.1
+    assert bool(_reruns_differ(dims, [0], [off]))
+    assert not bool(_reruns_differ(dims, [0], [normal[:, None]]))
