@@ -268,6 +268,20 @@ def _check_int(
     raise ValueError(message(call, argument, expected, repr(value), fix))
 
 
+def one_number(value: Any) -> Any:
+    """``value`` as a Python number where it is a one-element real floating tensor (a learning
+    rate kept as a tensor in an optimizer's ``param_groups``), else as it is: for arguments that
+    are read once, where reading the tensor (a host sync) costs nothing that matters."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.is_floating_point()
+        and not value.is_complex()
+    ):
+        return float(value.detach())
+    return value
+
+
 def check_number(
     value: Any,
     call: str,

@@ -461,3 +461,11 @@ def test_the_empirical_fisher_leaves_the_random_stream_as_it_was():
     Fisher(model, loss_fn, batch, kind="mc")  # draws its seed, as documented
     assert not torch.equal(torch.rand(3), want)
     assert F_emp.dense().shape[0] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("inputs", ["dict", "list"])
+def test_inputs_that_are_not_a_tensor_or_tuple_are_named(inputs):
+    model, loss_fn, (x, y) = ce_problem()
+    given = {"x": x} if inputs == "dict" else [x]
+    with pytest.raises(TypeError, match=rf"data\[0\]: expected the inputs .* got a {inputs}"):
+        Hessian(model, loss_fn, (given, y))

@@ -1075,3 +1075,20 @@ def test_a_module_replaced_inside_the_block_is_refused(change: str) -> None:
             F.mse_loss(model(x[4:]), y[4:], reduction="sum").backward()
         with pytest.raises(GradkitError, match=r"a backward pass that raised part-way"):
             stats.batch_l2()
+
+
+def test_a_one_element_tensor_learning_rate_or_loss_scale_is_a_number() -> None:
+    """A learning rate kept as a tensor (as torch.optim's param_groups allow) and a tensor loss
+    scale were refused as not numbers."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).to(D)
+    x, y = torch.randn(6, 3, dtype=D), torch.randn(6, 2, dtype=D)
+    with track(model, "variance", loss_scale=torch.tensor(0.5)) as stats:
+        (0.5 * F.mse_loss(model(x), y)).backward()
+    with track(model, "variance") as plain:
+        F.mse_loss(model(x), y).backward()
+    assert_close(stats["weight"].variance, plain["weight"].variance)
+    loss = torch.tensor(1.7, dtype=D)
+    from gradkit.per_example import cabs_batch_size
+
+    assert cabs_batch_size(plain, torch.tensor(0.1), loss) == cabs_batch_size(plain, 0.1, loss)

@@ -209,6 +209,25 @@ class Data:
         self.targets: _mean.TargetLoss | None = _mean.target_loss(loss_fn)
         self._shares: list[float] | None = None  # Z_b / Z, once weigh() has checked them
         self.single = _is_pair(data)
+        if (
+            not self.single
+            and isinstance(data, tuple)
+            and len(data) == 2
+            and isinstance(data[1], torch.Tensor)
+            and isinstance(data[0], (dict, list))
+        ):  # a pair whose inputs are not a tensor or a tuple (it cannot be a list of batches)
+            raise TypeError(
+                message(
+                    call,
+                    "data[0]",
+                    "the inputs of a pair (inputs, targets): a tensor, or a tuple of them "
+                    "(the model is called as model(*inputs))",
+                    f"a {type(data[0]).__name__}",
+                    "pass a tuple of tensors, in the order of the model's forward arguments "
+                    "(for a model that takes a dict, wrap it in a module whose forward takes "
+                    "the tensors and builds the dict)",
+                )
+            )
         if self.single:
             self._batches: Any = [tuple(data)]
             self.num_examples, self._divisors = self._count()

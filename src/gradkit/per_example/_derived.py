@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gradkit._errors import GradkitError, describe, message
-from gradkit._validate import check_choice, check_int, check_number, check_optional_int
+from gradkit._validate import check_choice, check_int, check_number, check_optional_int, one_number
 from gradkit.per_example._stats import ParamStats
 
 __all__ = [
@@ -330,7 +330,9 @@ def cabs_estimate(
 ) -> float:
     """``lr * tr(Sigma) / loss``, neither rounded nor clipped (``call`` names the caller in
     errors)."""
-    check_number(lr, call, "lr", low=0, low_open=True, fix="pass the optimizer's learning rate")
+    lr = check_number(
+        one_number(lr), call, "lr", low=0, low_open=True, fix="pass the optimizer's learning rate"
+    )
     if isinstance(loss, torch.Tensor) and loss.numel() != 1:
         raise ValueError(
             message(

@@ -84,6 +84,7 @@ from gradkit._validate import (
     check_module,
     check_number,
     check_optional_int,
+    one_number,
 )
 from gradkit.per_example._batch import (
     ModelCall,
@@ -150,7 +151,12 @@ def _parse_loss_scale(value: Any, call: str) -> float:
     if callable(get_scale):
         value, scaler = get_scale(), True
     value = check_number(
-        value, call, "loss_scale", low=0, low_open=True, example="scaler (a GradScaler) or 1/8"
+        one_number(value),
+        call,
+        "loss_scale",
+        low=0,
+        low_open=True,
+        example="scaler (a GradScaler) or 1/8",
     )
     # a GradScaler multiplies the loss by its float32 scale tensor; before its first scale()
     # get_scale() gives the init_scale as given (3.7, not float32's 3.700000047...: the
