@@ -125,6 +125,22 @@ class Attention(nn.Module):
         return self.attn(x, x, x)[0]
 
 
+def batch_norm_eval(kind: type[nn.Module], channels: int) -> Callable[[], nn.Module]:
+    """A BatchNorm in eval mode with running statistics far from (0, 1) and affine
+    parameters that are not (1, 0)."""
+
+    def make() -> nn.Module:
+        bn = kind(channels)
+        with torch.no_grad():
+            bn.running_mean.copy_(torch.linspace(-0.7, 0.9, channels))
+            bn.running_var.copy_(torch.linspace(0.3, 2.5, channels))
+            bn.weight.copy_(torch.linspace(0.5, 1.5, channels))
+            bn.bias.copy_(torch.linspace(-0.2, 0.4, channels))
+        return bn.eval()
+
+    return make
+
+
 def seq(*mods: nn.Module) -> Callable[[], nn.Module]:
     return lambda: nn.Sequential(*mods)
 
@@ -185,8 +201,21 @@ SETTINGS = [
         xy((3, 5), (3, 5)),
         cubic_loss,
     ),
+    Setting("batchnorm1d_eval", batch_norm_eval(nn.BatchNorm1d, 3), xy((3,), (3,)), cubic_loss),
     Setting(
-        "batchnorm_eval_fallback", lambda: nn.BatchNorm1d(3).eval(), xy((3,), (3,)), cubic_loss
+        "batchnorm1d_eval_sequence",
+        batch_norm_eval(nn.BatchNorm1d, 3),
+        xy((3, 4), (3, 4)),
+        cubic_loss,
+    ),
+    Setting(
+        "batchnorm2d_eval", batch_norm_eval(nn.BatchNorm2d, 3), xy((3, 2, 4), (3, 2, 4)), cubic_loss
+    ),
+    Setting(
+        "batchnorm3d_eval",
+        batch_norm_eval(nn.BatchNorm3d, 2),
+        xy((2, 2, 3, 2), (2, 2, 3, 2)),
+        cubic_loss,
     ),
     Setting(
         "convtranspose_fallback",

@@ -585,3 +585,14 @@ def test_parameter_names_are_named_parameters():
     model.register_parameter("extra", nn.Parameter(torch.zeros(1)))
     model.register_parameter("absent", None)
     assert _named_parameters(dict(model.named_modules())) == list(model.named_parameters())
+
+
+def test_batchnorm_in_eval_mode_has_a_rule_of_its_own() -> None:
+    """Not the vmap fallback (a re-run per example): its own closed form, exact by the grid's
+    batchnorm*_eval settings."""
+    from gradkit.per_example._registry import find_rule
+    from gradkit.per_example.rules._norm import batch_norm_rule
+
+    for kind in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+        assert find_rule(kind(3)) is batch_norm_rule
+    assert find_rule(nn.SyncBatchNorm(3)) is None  # its own forward: the exact fallback

@@ -1,4 +1,5 @@
-"""Affine parameters of ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm``.
+"""Affine parameters of ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` and BatchNorm in
+eval mode.
 
 With ``xhat`` the normalized input (recomputed without the affine part),
 ``y = weight * xhat + bias`` gives ``g_n(weight) = sum_{positions} G_n * xhat_n`` and
@@ -9,8 +10,11 @@ positions and nothing is summed: ``Tensor.sum(())`` would reduce over *all* dime
 bias's per-example gradient is then a copy of the output gradient, never the tensor itself:
 statistics are accumulated in place on the blocks of a :class:`Materialized`, which would
 otherwise rescale the gradient autograd goes on to propagate (and ``p.grad``).
-(InstanceNorm and BatchNorm in eval mode go through the vmap fallback; BatchNorm in training
-mode is refused: it mixes examples.)
+BatchNorm (``nn.BatchNorm1d/2d/3d``) normalizes with its running statistics in eval mode, the
+same for every example: ``xhat`` is recomputed from them, per channel. A call that normalizes
+with the batch's statistics (training mode, or no running statistics) mixes the examples and
+is refused before it runs (:func:`._capture.refuse_batchnorm`). InstanceNorm goes through the
+vmap fallback.
 """
 
 from __future__ import annotations
@@ -102,6 +106,32 @@ if hasattr(nn, "RMSNorm"):
         return _affine(xhats, gs, ctx, _leading(xs, shape), shape)
 
     rms_norm_rule.leading_dims = True  # type: ignore[attr-defined]
+
+
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+def batch_norm_rule(
+    module: nn.Module, uses: list[Use], ctx: RuleContext
+) -> dict[str, PerExampleGrad]:
+    """Per-example gradients of BatchNorm's affine parameters ``[C]`` in eval mode (its
+    running statistics: a call with the batch's is refused before it runs)."""
+    assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+    assert module.running_mean is not None and module.running_var is not None
+    xs, gs = _prep(uses)
+    xhats = [
+        F.batch_norm(
+            x,
+            module.running_mean.to(x.dtype),
+            module.running_var.to(x.dtype),
+            None,
+            None,
+            False,
+            0.0,
+            module.eps,
+        )
+        for x in xs
+    ]
+    spatial = [tuple(range(2, x.dim())) for x in xs]
+    return _affine(xhats, gs, ctx, spatial, torch.Size((module.num_features,)))
 
 
 @register_rule(nn.GroupNorm)
