@@ -1092,3 +1092,33 @@ def test_a_one_element_tensor_learning_rate_or_loss_scale_is_a_number() -> None:
     from gradkit.per_example import cabs_batch_size
 
     assert cabs_batch_size(plain, torch.tensor(0.1), loss) == cabs_batch_size(plain, 0.1, loss)
+
+
+class SumsTime(nn.Module):
+    """A Linear on a sequence-first ``[T, N, d]`` input, summed over time before the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum(0)
+
+
+def test_a_loss_over_fewer_rows_than_the_examples_split_warns() -> None:
+    """``batch_dim`` forgotten on a sequence-first model reduced over time before the loss: the
+    T = 6 time steps were taken for the N = 3 examples, silently."""
+    torch.manual_seed(0)
+    model = SumsTime().to(D)
+    x, y = torch.randn(6, 3, 4, dtype=D), torch.randn(3, 3, dtype=D)
+    with (
+        pytest.warns(UserWarning, match=r"over 3 rows, fewer than the 6 examples.*batch_dim=1"),
+        track(model, "variance"),
+    ):
+        F.mse_loss(model(x), y).backward()
+    ref = per_example_grads(model, F.mse_loss, x, y, batch_dim=1)
+    with track(model, "variance", batch_dim=1) as stats:  # no warning: the right reading
+        F.mse_loss(model(x), y).backward()
+    assert stats.num_examples == 3
+    g = ref["lin.weight"]
+    assert_close(stats["lin.weight"].variance, g.var(0, unbiased=False), rtol=1e-10)

@@ -31,6 +31,7 @@ graph sometimes can (:func:`._batch.moved_batch`).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -415,6 +416,23 @@ def _weighted_mean_message(label: str) -> str:
     )
 
 
+def _warn_fewer_rows(found: LossReduction, n: int) -> None:
+    """A loss over fewer rows than the examples the tracked layers split: a sequence-first
+    model read with ``batch_dim=0`` (the time steps taken for the examples: ``[T, N, d]``
+    reduced over ``T`` before the loss), or a head that combines examples. Not refused: the
+    docs allow the second (the statistics are then those of a loss that is not a sum of
+    per-example terms)."""
+    warnings.warn(
+        f"per_example.track(model, ...): the loss ends in {found.label}, a {found.reduction} "
+        f"over {found.rows} rows, fewer than the {n} examples the tracked layers were split "
+        "into: if the model holds its examples in another dimension than batch_dim (a "
+        "sequence-first [T, N, ...] input), pass batch_dim=1 to track(); if it combines "
+        "examples after its last tracked layer, the statistics are not those of per-example "
+        "losses",
+        stacklevel=2,
+    )
+
+
 def check_loss_reduction(
     declared: str, n: int | None, targets: set[Any], roots: list[torch.Tensor] | None = None
 ) -> None:
@@ -429,6 +447,10 @@ def check_loss_reduction(
     if n == 1:  # a mean over one example is its sum: either reading gives its gradient
         return
     for found in loss_reductions(roots):
+        if n is not None and found.rows is not None and found.rows < n:
+            only_root = found.root and len(roots) == 1
+            if only_root or reaches(found.node, targets):
+                _warn_fewer_rows(found, n)
         if found.weighted:  # read as a sum, l_i = w[y_i] * loss_i / sum(w[y])
             passes = declared == "sum"
         else:  # a mean over other rows than the examples (tokens) read as a sum passes
