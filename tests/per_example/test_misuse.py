@@ -1122,3 +1122,31 @@ def test_a_loss_over_fewer_rows_than_the_examples_split_warns() -> None:
     assert stats.num_examples == 3
     g = ref["lin.weight"]
     assert_close(stats["lin.weight"].variance, g.var(0, unbiased=False), rtol=1e-10)
+
+
+class SharedInput(nn.Module):
+    """A layer called on one unbatched input shared by every example (no batch dimension)."""
+
+    def __init__(self, conv: bool) -> None:
+        super().__init__()
+        self.conv = conv
+        self.c = nn.Conv1d(2, 3, 3, padding=1) if conv else nn.Linear(4, 6)
+        self.h = nn.Linear(6, 3)
+        self.register_buffer("z", torch.randn(2, 2) if conv else torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.c(self.z).flatten() if self.conv else self.c(self.z)
+        return self.h(torch.tanh(x + shared))
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv1d"])
+def test_a_layer_on_an_unbatched_input_is_told_to_add_a_batch_dimension(conv: bool) -> None:
+    """The advice was a per-submodule batch_dim, which cannot help: the input has none."""
+    torch.manual_seed(0)
+    model = SharedInput(conv).to(D)
+    x, y = torch.randn(5, 6, dtype=D), torch.randn(5, 3, dtype=D)
+    with (
+        pytest.raises(GradkitError, match=r"z.unsqueeze\(0\).*or freeze the layer \(c\."),
+        track(model, "variance"),
+    ):
+        F.mse_loss(model(x), y).backward()

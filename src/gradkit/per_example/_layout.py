@@ -189,6 +189,8 @@ def _feature_dims(module: nn.Module) -> int | None:
         return len(tuple(module.normalized_shape))  # type: ignore[arg-type]
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' Conv1D
         return 1
+    if isinstance(module, nn.modules.conv._ConvNd):  # channels and positions
+        return len(module.kernel_size) + 1
     return None
 
 
@@ -208,6 +210,19 @@ def check_feature_dims(
     label = f"{name or 'model'} ({type(module).__name__})"
     first = x.dim() - features
     where = f"one of its dimensions 0..{first - 1}" if first > 0 else "a batch dimension"
+    fix = (
+        "pass the dimension where the examples are (batch_dim=0 for batch-first data; "
+        "RNNs, attention, convolutions and torch.nn transformer blocks are read by their "
+        "own layout whatever batch_dim says); where layers see the examples in different "
+        "dimensions, give it per submodule, e.g. batch_dim={'': 1, "
+        f"'{name or 'head'}': 0}}"
+    )
+    if first == 0:  # features alone: one input shared by every example, not a batch
+        fix = (
+            "give the input a batch dimension of 1 where the model calls the layer "
+            "(z.unsqueeze(0): a [1, ...] output is broadcast over the examples, exactly), or "
+            f"freeze the layer ({name or 'model'}.requires_grad_(False)) to track the rest"
+        )
     raise GradkitError(
         message(
             "per_example.track(model, ...)",
@@ -216,11 +231,7 @@ def check_feature_dims(
             "dimension(s) are features)",
             f"batch_dim={batch_dim}, its dimension {dim}: {x.shape[dim]} features taken for "
             "examples",
-            "pass the dimension where the examples are (batch_dim=0 for batch-first data; "
-            "RNNs, attention, convolutions and torch.nn transformer blocks are read by their "
-            "own layout whatever batch_dim says); where layers see the examples in different "
-            "dimensions, give it per submodule, e.g. batch_dim={'': 1, "
-            f"'{name or 'head'}': 0}}",
+            fix,
         )
     )
 
