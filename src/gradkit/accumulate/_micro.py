@@ -195,6 +195,9 @@ class Accumulator:
     def _reset_window(self) -> None:
         self._count = 0.0
         self._micro_steps = 0
+        # after the window's last backward: each parameter's gradient and its version, which
+        # nothing may change before the next (see _check_held)
+        self._held: list[tuple[torch.Tensor | None, int]] | None = None
         self._bad: list[float] = []  # NaN, inf or negative counts of this window
         self._tensor_counts: list[torch.Tensor] = []  # read once, in step()
 
@@ -351,8 +354,39 @@ class Accumulator:
             if name is not None:
                 self._warn_batchnorm(f"a batch normalization in the loss's graph ({name})", 3)
         check_ddp_forward(self.model, call)
+        self._check_held(call)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         self._backward_done = True
+        self._held = [(p.grad, -1 if p.grad is None else p.grad._version) for p in self.params]
+
+    def _check_held(self, call: str) -> None:
+        """Refuse a window whose accumulated gradients were changed since its last backward:
+        ``optimizer.zero_grad()`` at the top of each micro-step (the habit of a plain loop)
+        drops the earlier micro-steps, a ``loss.backward()`` outside :meth:`backward` adds a
+        pass the window does not count; either would be divided by the window's count as if
+        it were its sum (50 % off, silently). Reads no value: the tensors and their version
+        counters."""
+        if self._held is None:
+            return
+        params = self.params
+        changed = len(params) != len(self._held) or any(
+            p.grad is not g or (g is not None and g._version != v)
+            for p, (g, v) in zip(params, self._held, strict=False)
+        )
+        if changed:
+            raise GradkitError(
+                message(
+                    call,
+                    "the model's gradients",
+                    "the sum of this window's earlier micro-steps, as its last backward left it",
+                    "gradients cleared or changed since (optimizer.zero_grad() or "
+                    "model.zero_grad() inside the window, a loss.backward() outside "
+                    "acc.backward, an in-place edit of p.grad)",
+                    "call zero_grad() nowhere inside the loop (acc.step() sets the gradients to "
+                    "None) and backpropagate only with acc.backward(loss); acc.reset() drops "
+                    "the window",
+                )
+            )
 
     def _check_clean_start(self) -> None:
         """Refuse a window that starts with nonzero gradients: a backward pass outside
@@ -467,14 +501,17 @@ class Accumulator:
             plain = [i for i, p in enumerate(params) if not is_dtensor(p)]
             all_reduce_grads([params[i] for i in plain], [present[i] for i in plain], self.group)
         grads = [local(p.grad) for p in params if p.grad is not None]
-        check = self.scaler is None and self.skip_nonfinite
+        # a disabled GradScaler (enabled=use_amp) decides nothing: the window is checked here
+        scaling = self.scaler is not None and self.scaler.is_enabled()
+        check = not scaling and self.skip_nonfinite
         finite = divide_(
             grads,
             None if self.normalize == "sum" else count,
             check=check,
             wide=float64_compensation(self.scaler),
         )
-        if self.scaler is not None:
+        if scaling:
+            assert self.scaler is not None
             self.scaler.unscale_(self.optimizer)
         norm: float | None = None
         if self._fsdp and self._fsdp_group is not None:
@@ -483,7 +520,8 @@ class Accumulator:
                 scale_(grads, norm, self.max_grad_norm)
         elif self.max_grad_norm is not None:
             norm = clip_(grads, self.max_grad_norm)
-        if self.scaler is not None:
+        if scaling:
+            assert self.scaler is not None
             before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
