@@ -316,3 +316,34 @@ def test_a_rerun_differing_among_subnormals_is_not_a_disagreement() -> None:
     off[0, 0, 1] *= 1.1
     assert bool(_reruns_differ(dims, [0], [off]))
     assert not bool(_reruns_differ(dims, [0], [normal[:, None]]))
+
+
+class _Records(nn.Module):
+    """A fallback module that records whether oneDNN is on at each call; with an RNN inside
+    or not."""
+
+    def __init__(self, rnn: bool) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 3, batch_first=True) if rnn else None
+        self.w = nn.Parameter(torch.ones(3))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch._C._get_mkldnn_enabled())
+        h = self.rnn(x)[0] if self.rnn is not None else x
+        return h * self.w
+
+
+@pytest.mark.parametrize("rnn", [False, True], ids=["plain", "with-rnn"])
+def test_onednn_is_switched_off_only_for_re_runs_of_modules_holding_an_rnn(rnn: bool) -> None:
+    """Its RNN kernels are wrong when differentiated inside a backward; for anything else,
+    switching it off sent depthwise convolutions to torch's slow reference kernel."""
+    torch.manual_seed(0)
+    model = _Records(rnn)
+    x = torch.randn(4, 2, 3)
+    with track(model, "variance") as stats:
+        model(x).square().sum().backward()
+    _ = stats["w"].variance
+    assert model.seen[0] == torch._C._get_mkldnn_enabled()  # the forward: as the user set it
+    reruns = model.seen[1:]
+    assert reruns and all(on is (not rnn and model.seen[0]) for on in reruns)

@@ -333,11 +333,16 @@ def _packed(
 
 
 @contextlib.contextmanager
-def _without_onednn() -> Iterator[None]:
-    """oneDNN off while examples are re-run: its float32 CPU RNN kernels give wrong bias
-    gradients (or none: "Expected a proper Tensor ... 'workspace'") when differentiated from
-    inside a backward pass; the native kernels are exact. (Not ``torch.backends.mkldnn.flags``:
-    it warns about TF32 on every use.)"""
+def _without_onednn(module: nn.Module) -> Iterator[None]:
+    """oneDNN off while the examples of a module holding an RNN are re-run: its float32 CPU
+    RNN kernels give wrong bias gradients (or none: "Expected a proper Tensor ... 'workspace'")
+    when differentiated from inside a backward pass; the native kernels are exact. Other
+    modules keep it: without it a depthwise convolution's backward runs torch's slow reference
+    kernel (a ConvNeXt block's re-runs 1.4x slower). (Not ``torch.backends.mkldnn.flags``: it
+    warns about TF32 on every use.)"""
+    if not any(isinstance(m, nn.RNNBase) for m in module.modules()):
+        yield
+        return
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
@@ -372,7 +377,7 @@ def vmap_rule(module: nn.Module, uses: list[Use], ctx: RuleContext) -> dict[str,
     totals: list[torch.Tensor] | None = None
     scratch = _scratch_buffers(module)
     versions = {name: b._version for name, b in module.named_buffers()}
-    with torch.enable_grad(), _without_onednn(), without_cudnn_rnn(module):
+    with torch.enable_grad(), _without_onednn(module), without_cudnn_rnn(module):
         for u in uses:
             # in the autocast regions the call ran in (the backward runs outside them)
             with autocast_as(u.dims.autocast if u.dims is not None else ()):
