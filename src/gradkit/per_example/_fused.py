@@ -47,9 +47,12 @@ class WeightSum:
         self.total: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
-    def add(self, block: torch.Tensor) -> None:
-        """Add ``block.sum(0)`` (``block``: ``[n, *weight.shape]`` per-example gradients)."""
+    def add(self, block: torch.Tensor, factor: float = 1.0) -> None:
+        """Add ``factor * block.sum(0)`` (``block``: ``[n, *weight.shape]`` per-example
+        gradients, ``factor`` undoing a scale the statistics folded into them)."""
         part = block.sum(0)
+        if factor != 1.0:
+            part.mul_(factor)
         self.total = part if self.total is None else self.total.add_(part)
 
     def take(self) -> torch.Tensor | None:

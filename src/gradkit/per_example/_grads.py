@@ -61,8 +61,9 @@ class PerExampleGrad:
     shape: torch.Size
     owned: bool = True
     """Whether the blocks :meth:`chunks` yields are fresh tensors (scaled in place)."""
-    on_block: Callable[[torch.Tensor], None] | None = None
-    """Called with every block :meth:`chunks` yields to the statistics, before they use it."""
+    on_block: Callable[[torch.Tensor, float], None] | None = None
+    """Called with every block the statistics take, before they use it, and the factor that
+    undoes the scale folded into it (1.0: none)."""
     sums_into: bool = False
     """Whether :meth:`power_sum` takes ``out=``: storage shaped like the parameter, in the
     statistics' dtype, which it may write its result into (reused, not freshly allocated).

@@ -255,19 +255,20 @@ def add_block(
             shape = (pe.num_examples, *pe.shape)
             out = batch_grad_buffer(acc.owner, shape, acc.dtype, acc.pool)
     if remaining or need_l2 or keep:
-        # the scale may be folded into a factor of the block, unless the layer's backward sums
-        # the unscaled blocks (on_block); `out` only where writes_into said so (a user's
-        # subclass may not take it)
-        folded = scale if pe.on_block is None else 1.0
+        # the scale may be folded into a factor of the block (the layer's backward, which sums
+        # the blocks (on_block), then takes that factor out of the sum: a pass over the
+        # weight, not over a kept block; blocks not kept stay unscaled, see `late` below);
+        # `out` only where writes_into said so (a user's subclass may not take it)
+        fold = pe.on_block is None or keep
         if out is not None:
-            blocks = pe.scaled_chunks(chunk_size, folded, out=out)
-        elif pe.on_block is None:
+            blocks = pe.scaled_chunks(chunk_size, scale if fold else 1.0, out=out)
+        elif fold:
             blocks = pe.scaled_chunks(chunk_size, scale)
         else:
             blocks = ((b, False) for b in pe.chunks(chunk_size))
         for block, scaled in blocks:
             if pe.on_block is not None:
-                pe.on_block(block)
+                pe.on_block(block, 1.0 / scale if scaled else 1.0)
             g = as_dtype(block, acc.dtype)
             fresh = g is not block or pe.owned  # may be scaled and squared in place
             # a block not kept stays unscaled: scale**p goes on its sums (N times smaller),
