@@ -412,20 +412,21 @@ def _log1pexp_custom():
     return log1pexp
 
 
-X6 = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), dtype=D)
-W6 = torch.randn(6, generator=torch.Generator().manual_seed(1), dtype=D)
-B6 = torch.randn(6, generator=torch.Generator().manual_seed(2), dtype=D)
+def _fixed(*shape, seed):
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=D)
 
 
 def _layer_norm_scaled(s):
     """A scalar scaling a layer_norm's input and its weight: torch.func's Hessian is 9.4 off,
     and (of one variable) symmetric."""
-    return (nn.functional.layer_norm(X6 * s, (6,), weight=W6 * s, bias=B6).sin() ** 2).sum()
+    x, w, b = _fixed(4, 6, seed=0), _fixed(6, seed=1), _fixed(6, seed=2)
+    return (nn.functional.layer_norm(x * s, (6,), weight=w * s, bias=b).sin() ** 2).sum()
 
 
 def _batch_norm_gains(w):
     """Gains feeding a training-mode batch_norm's input and weight: 2.0 off, symmetric."""
-    out = nn.functional.batch_norm(X6 * w, None, None, weight=w, training=True)
+    out = nn.functional.batch_norm(_fixed(4, 6, seed=0) * w, None, None, weight=w, training=True)
     return (out.tanh() ** 3).sum()
 
 
@@ -434,15 +435,16 @@ def _softplus_squared(x):
 
 
 @pytest.mark.parametrize(
-    "f, x",
+    "f, point",
     [
-        (_layer_norm_scaled, torch.tensor(0.7, dtype=D)),
-        (_batch_norm_gains, torch.randn(6, generator=torch.Generator().manual_seed(3), dtype=D)),
-        (_softplus_squared, torch.tensor([0.3, -1.2], dtype=D)),
+        (_layer_norm_scaled, lambda: torch.tensor(0.7, dtype=D)),
+        (_batch_norm_gains, lambda: _fixed(6, seed=3)),
+        (_softplus_squared, lambda: torch.tensor([0.3, -1.2], dtype=D)),
     ],
     ids=["layer_norm-scalar", "batch_norm-train", "custom_gradient"],
 )
-def test_hessian_is_checked_by_a_double_backward_product(f, x, caplog):
+def test_hessian_is_checked_by_a_double_backward_product(f, point, caplog):
+    x = point()
     n = x.numel()
     with caplog.at_level("WARNING", logger="gradkit.func._transforms"):
         H = hessian(f, x).reshape(n, n)
