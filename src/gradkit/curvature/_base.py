@@ -154,7 +154,7 @@ class CurvatureOperator(FlatVectors):
         unused parameters, refuse graphs that cannot be differentiated twice."""
         data = self._data
         index, (inputs, targets, _) = next(
-            (i, b) for i, b in enumerate(data) if data.weight(i, b[2]) != 0
+            (i, b) for i, b in enumerate(data) if data.weight(i, b[2], b[1]) != 0
         )
         with torch.enable_grad():
             point = data.first(lambda: self._make_point(inputs, targets, index), self.dtype)
@@ -311,7 +311,7 @@ class CurvatureOperator(FlatVectors):
             return self._columns(point, V)
         total: torch.Tensor | None = None
         for index, (inputs, targets, n) in enumerate(self._data):
-            weight = self._data.weight(index, n)
+            weight = self._data.weight(index, n, targets)
             if weight == 0:  # nothing of it counts (its own mean loss is nan)
                 continue
             res = self._columns(self._make_point(inputs, targets, index), V) * weight

@@ -116,7 +116,7 @@ def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) 
     first = layout.params[0]
     total = torch.zeros(layout.n, dtype=torch.float64, device=first.device)
     for index, (inputs, targets, n) in enumerate(data):
-        weight = data.weight(index, n)
+        weight = data.weight(index, n, targets)
         if weight == 0:  # nothing of it counts (its own mean loss is nan)
             continue
         try:

@@ -114,7 +114,7 @@ def mlp_hessian_diagonal(
     for index, (inputs, targets, n) in enumerate(data):
         if n * widest * widest * 8 * 3 > max_memory:
             return None
-        weight = data.weight(index, n)
+        weight = data.weight(index, n, targets)
         if weight == 0:  # nothing of it counts (its own mean loss is nan)
             continue
         run = _forward(layers, inputs, slopes=False)
@@ -212,7 +212,7 @@ def mlp_factor_diagonal(
     """
     diag: dict[int, torch.Tensor] = {}
     for index, (inputs, targets, n) in enumerate(data):
-        weight = data.weight(index, n)
+        weight = data.weight(index, n, targets)
         if weight == 0:  # nothing of it counts (its own mean loss is nan)
             continue
         run = _forward(layers, inputs, slopes=True)
