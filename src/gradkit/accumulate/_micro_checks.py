@@ -15,7 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradkit._autograd import graph_nodes
 from gradkit._errors import GradkitError, describe, message
-from gradkit.per_example._layout import loss_reductions
+from gradkit.per_example._layout import loss_reductions, root_factor
 from gradkit.per_example._loss_graph import match_loss
 
 __all__ = [
@@ -306,38 +306,6 @@ def check_loss(loss: Any, call: str) -> None:
         )
 
 
-def _constant(value: Any) -> float | None:
-    """A saved operand's value where it is a CPU number (reading it waits for no device),
-    else None."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.device.type != "cpu" or value.is_complex():
-            return None
-        return float(value)
-    return float(value) if isinstance(value, numbers.Real) else None
-
-
-def _root_factor(loss: torch.Tensor) -> tuple[float, Any]:
-    """``(c, node)``: ``loss`` is ``c`` times the output of ``node``, through the root-level
-    multiplications and divisions by CPU numbers (``mean / k``, ``mean * count``);
-    ``c = 1`` and the loss's own node where there are none."""
-    node, factor = loss.grad_fn, 1.0
-    while node is not None and type(node).__name__ in ("MulBackward0", "DivBackward0"):
-        (left, _), (right, _) = node.next_functions
-        divide = type(node).__name__ == "DivBackward0"
-        if left is not None and right is None:  # loss * c, loss / c
-            c = _constant(getattr(node, "_saved_other", None))
-            child = left
-        elif left is None and right is not None and not divide:  # c * loss
-            c = _constant(getattr(node, "_saved_self", None))
-            child = right
-        else:
-            break
-        if c is None or c == 0:
-            break
-        factor, node = (factor / c if divide else factor * c), child
-    return factor, node
-
-
 def check_summed(loss: torch.Tensor, call: str) -> None:
     """Refuse a loss whose graph records a mean over more than one row: a torch loss with its
     default ``reduction="mean"`` (Hugging Face's ``.loss`` among them), a ``reduction="none"``
@@ -346,7 +314,7 @@ def check_summed(loss: torch.Tensor, call: str) -> None:
     custom loss, a mean times the micro-batch's count) is not seen; a mean divided by a
     number (``mean / k``, the recipe of a plain loop: ``1/k`` of a mean is not a sum for any
     count) is refused too."""
-    factor, node = _root_factor(loss)
+    factor, node = root_factor(loss)
     below = match_loss(node) if node is not loss.grad_fn else None
     if below is not None and below.reduction == "mean" and below.rows != 1 and factor < 1:
         raise GradkitError(

@@ -30,6 +30,7 @@ graph sometimes can (:func:`._batch.moved_batch`).
 
 from __future__ import annotations
 
+import numbers
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -383,6 +384,41 @@ def loss_reductions(
 
 _SCALINGS = ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1")
 """Nodes that scale the loss when one of their inputs is a constant (no graph)."""
+
+
+def _constant(value: Any) -> float | None:
+    """A saved operand's value where it is a CPU number (reading it waits for no device),
+    else None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu" or value.is_complex():
+            return None
+        return float(value)
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
+def root_factor(loss: torch.Tensor) -> tuple[float, Any]:
+    """``(c, node)``: ``loss`` is ``c`` times the output of ``node``, through the root-level
+    multiplications and divisions by CPU numbers (``mean / k``, ``mean * count``);
+    ``c = 1`` and the loss's own node where there are none."""
+    node, factor = loss.grad_fn, 1.0
+    while node is not None and type(node).__name__ in ("MulBackward0", "DivBackward0"):
+        (left, _), (right, _) = node.next_functions
+        divide = type(node).__name__ == "DivBackward0"
+        try:  # (a graph already run frees its saved values)
+            if left is not None and right is None:  # loss * c, loss / c
+                c = _constant(getattr(node, "_saved_other", None))
+                child = left
+            elif left is None and right is not None and not divide:  # c * loss
+                c = _constant(getattr(node, "_saved_self", None))
+                child = right
+            else:
+                break
+        except RuntimeError:
+            break
+        if c is None or c == 0:
+            break
+        factor, node = (factor / c if divide else factor * c), child
+    return factor, node
 
 
 def scaled_mean(roots: list[torch.Tensor]) -> bool | None:
