@@ -46,19 +46,23 @@ def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
 
 
 def edges_into(
-    roots: Iterable[Any], ids: Container[int], leaves: dict[int, Any] | None = None
+    roots: Iterable[Any],
+    ids: Container[int],
+    leaves: dict[int, Any] | None = None,
+    *,
+    stop: Container[Any] = (),
 ) -> dict[int, list[Any]]:
     """``id(leaf) -> [node]``: for each leaf tensor of ``ids`` (parameters) that the graphs of
     ``roots`` reach, the nodes with an edge into its gradient accumulator, one entry per edge.
     A layer's call takes each of its parameters through one such edge, so the counts tell the
     uses of a parameter apart from its layer's calls. ``leaves``, if given, receives
-    ``id(leaf) ->`` its accumulator node."""
+    ``id(leaf) ->`` its accumulator node; the walk does not go past the nodes in ``stop``."""
     found: dict[int, list[Any]] = {}
     seen: set[Any] = set()
     stack = [r for r in roots if r is not None]
     while stack:  # graph_nodes, inlined: this walk runs at every tracked backward pass
         node = stack.pop()
-        if node in seen:
+        if node in seen or (stop and node in stop):
             continue
         seen.add(node)
         for nxt, _ in node.next_functions:

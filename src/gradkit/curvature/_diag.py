@@ -81,10 +81,18 @@ def _read(layout: Layout, stats: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _check_rows(out: torch.Tensor, n: int, call: str) -> None:
-    """The per-example sums need each example's outputs in its own rows: a model output whose
+def check_rows(
+    out: torch.Tensor,
+    n: int,
+    call: str,
+    *,
+    purpose: str = "for the exact diagonal from per-example gradients",
+    other: str = ", or use method='hutchinson' or 'hutch++'",
+) -> None:
+    """Per-example gradients need each example's outputs in its own rows: a model output whose
     dimension 0 is not the batch's ``n`` examples (``[N * T, C]`` logits of ``[N, T]`` ids)
-    would have the squares taken of sums over an example's tokens, cross terms included."""
+    would have the squares taken of sums over an example's tokens, cross terms included.
+    ``purpose`` and ``other`` (another way out) word the refusal for the caller."""
     if out.dim() == 0 or out.shape[0] != n:
         rows = "no dimension 0" if out.dim() == 0 else f"{out.shape[0]} rows along dimension 0"
         raise GradkitError(
@@ -92,11 +100,10 @@ def _check_rows(out: torch.Tensor, n: int, call: str) -> None:
                 call,
                 "model",
                 f"an output with the batch's {n} examples along dimension 0 (the inputs' "
-                "dimension 0), for the exact diagonal from per-example gradients",
+                f"dimension 0), {purpose}",
                 f"an output of shape {tuple(out.shape)}, {rows}",
                 "return the outputs with the examples first ([N, T, C] logits, not flattened to "
-                "[N * T, C]) and flatten them in loss_fn, or use method='hutchinson' or "
-                "'hutch++'",
+                f"[N * T, C]) and flatten them in loss_fn{other}",
             )
         )
 
@@ -124,7 +131,7 @@ def factor_diagonal(data: Data, layout: Layout, factors: Factors, *, call: str) 
                 with track(data.model, "second_moment", loss_reduction="sum") as stats:
                     stats.repeat_passes = True  # one pass per column of the factor, summed
                     out = data.forward(inputs)
-                    _check_rows(out, n, call)
+                    check_rows(out, n, call)
                     pos, neg = factors(out.detach(), targets, index)
                     _push(layout, out, pos)
                 total += weight * _read(layout, stats)

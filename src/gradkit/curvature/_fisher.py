@@ -36,7 +36,7 @@ from gradkit._layouts import sequence_first_layer
 from gradkit._validate import check_choice, check_int
 from gradkit.curvature._base import CurvatureOperator, Point
 from gradkit.curvature._data import LossFn, _batch_size, check_generator
-from gradkit.curvature._diag import factor_diagonal
+from gradkit.curvature._diag import check_rows, factor_diagonal
 from gradkit.curvature._ggn import JPoint
 
 __all__ = ["Fisher"]
@@ -213,7 +213,13 @@ class Fisher(CurvatureOperator):
         j = JPoint(self._layout, self._data, inputs)
         if self.kind == "empirical" and not self._sequence_first:
             # (a sequence-first model's inputs hold the examples in dimension 1: warned about)
-            _check_example_rows(j.out, _batch_size(inputs, self._call), self._call)
+            check_rows(
+                j.out,
+                _batch_size(inputs, self._call),
+                self._call,
+                purpose="for the empirical Fisher, built from each example's gradient",
+                other="",
+            )
         R, c = self._factor(j.out.detach(), targets, index)
         return _FactorPoint(j, R, c)
 
@@ -302,23 +308,3 @@ class Fisher(CurvatureOperator):
                 )
             )
         return w
-
-
-def _check_example_rows(out: torch.Tensor, n: int, call: str) -> None:
-    """The empirical Fisher is built from each example's gradient (a sequence's tokens form one
-    ``g_n``): an output whose dimension 0 is not the batch's ``n`` examples (``[N * T, C]``
-    logits of ``[N, T]`` ids) would give the per-row (per-token) matrix instead, silently, while
-    the exact diagonal refuses it."""
-    if out.dim() == 0 or out.shape[0] != n:
-        rows = "no dimension 0" if out.dim() == 0 else f"{out.shape[0]} rows along dimension 0"
-        raise GradkitError(
-            message(
-                call,
-                "model",
-                f"an output with the batch's {n} examples along dimension 0 (the inputs' "
-                "dimension 0), for the empirical Fisher, built from each example's gradient",
-                f"an output of shape {tuple(out.shape)}, {rows}",
-                "return the outputs with the examples first ([N, T, C] logits, not flattened to "
-                "[N * T, C]) and flatten them in loss_fn",
-            )
-        )

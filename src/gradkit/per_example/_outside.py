@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.autograd.graph import Node
 
+from gradkit._autograd import edges_into
 from gradkit._errors import GradkitError, message
 
 __all__ = [
@@ -123,6 +124,12 @@ def _has_dimension(node: Node) -> bool:
         return True  # unknown: count it as a use on the examples
 
 
+def _listed(names: list[str]) -> str:
+    """The first three of ``names``, sorted and quoted, and how many more."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(repr(n) for n in sorted(names)[:3]) + more
+
+
 def check_uncalled(
     roots: Sequence[Any],
     uncalled: Mapping[int, int],
@@ -141,9 +148,7 @@ def check_uncalled(
     parents, depends = _maps(roots, calls)
     used = [names[pid] for pid in uncalled if _on_examples(parents, depends, found[pid])]
     if used:
-        listed = ", ".join(repr(n) for n in sorted(used)[:3]) + (
-            f" and {len(used) - 3} more" if len(used) > 3 else ""
-        )
+        listed = _listed(used)
         raise GradkitError(
             message(
                 "per_example.track(model, ...)",
@@ -159,28 +164,6 @@ def check_uncalled(
                 "freeze them (requires_grad_(False)) to track the rest",
             )
         )
-
-
-def _edges_inside(record: Any, pids: set[int]) -> dict[int, set[Node]]:
-    """``id -> nodes``: the graph edges into the accumulators of ``pids`` from the call
-    ``record``'s own nodes, found by walking back from its outputs to its inputs."""
-    inside: dict[int, set[Node]] = {}
-    stop = set(record.inputs)
-    stack, seen = list(record.nodes), set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            variable = getattr(nxt, "variable", None)
-            if variable is None:
-                stack.append(nxt)
-            elif id(variable) in pids:
-                inside.setdefault(id(variable), set()).add(node)
-    return inside
 
 
 def check_uses_outside_calls(
@@ -206,7 +189,8 @@ def check_uses_outside_calls(
         pids -= set(left_out)
         for pid in pids:
             inside.setdefault(pid, set())
-        for pid, edges in _edges_inside(record, pids).items():
+        # the call's own edges: from its outputs back to its inputs
+        for pid, edges in edges_into(record.nodes, pids, stop=set(record.inputs)).items():
             inside[pid].update(edges)
     outside = {
         pid: [node for node in found[pid] if node not in edges] for pid, edges in inside.items()
@@ -217,9 +201,7 @@ def check_uses_outside_calls(
     parents, depends = _maps(roots, calls)
     used = [names[pid] for pid, nodes in outside.items() if _on_examples(parents, depends, nodes)]
     if used:
-        listed = ", ".join(repr(n) for n in sorted(used)[:3]) + (
-            f" and {len(used) - 3} more" if len(used) > 3 else ""
-        )
+        listed = _listed(used)
         raise GradkitError(
             message(
                 "per_example.track(model, ...)",
