@@ -4,6 +4,8 @@ by trying the old recipes against the float64 large-batch oracle."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,17 +23,32 @@ def _problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return nn.Linear(4, 3).to(D), torch.randn(8, 4, dtype=D), torch.randint(0, 3, (8,))
 
 
-def test_a_mean_divided_by_the_number_of_micro_steps_is_refused() -> None:
+def test_a_mean_divided_by_the_number_of_micro_steps_is_warned_about() -> None:
     """``mean / k``: step() divides by the window's count again (8 times too small)."""
     model, x, y = _problem()
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
     (xb, yb), *_ = acc.split((x, y), num_micro_batches=4)
     with (
-        pytest.raises(GradkitError, match=r"a mean, times 0.25: a plain loop's mean / k"),
+        pytest.warns(UserWarning, match=r"a mean, times 0.25: if that is a plain loop's mean / 4"),
         acc.micro_step(count=2),
     ):
         acc.backward(F.cross_entropy(model(xb), yb) / 4)
-    assert all(p.grad is None for p in model.parameters())  # refused before the backward
+
+
+def test_a_weighted_mean_times_the_count_is_not_warned_about() -> None:
+    """A task weight times the count (0.3 * 2) is a weighted sum, and with normalize='sum'
+    a plain loop's mean / k is the recipe."""
+    model, x, y = _problem()
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (xb, yb), *_ = acc.split((x, y), num_micro_batches=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with acc.micro_step(count=2):
+            acc.backward(0.3 * F.cross_entropy(model(xb), yb) * len(yb))
+        summed = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), normalize="sum")
+        summed.reset()
+        with summed.micro_step(count=2):
+            summed.backward(F.cross_entropy(model(xb), yb) / 4)
 
 
 def test_a_mean_times_the_count_is_the_sum_and_exact() -> None:

@@ -9,6 +9,7 @@ batches of no example, parameters the loss does not reach, reading statistics to
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -1150,3 +1151,19 @@ def test_a_layer_on_an_unbatched_input_is_told_to_add_a_batch_dimension(conv: bo
         track(model, "variance"),
     ):
         F.mse_loss(model(x), y).backward()
+
+
+def test_a_loss_over_a_subset_of_the_examples_does_not_warn() -> None:
+    """A masked or indexed loss reduces fewer rows than the examples, legitimately (the others'
+    gradients are 0): only rows reduced along the examples' dimension are warned about."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(D)
+    x, y = torch.randn(6, 4, dtype=D), torch.randint(0, 3, (6,))
+    mask = torch.tensor([True, False, True, False, True, False])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with track(model, "batch_l2", loss_reduction="sum") as stats:
+            F.cross_entropy(model(x)[mask], y[mask], reduction="sum").backward()
+    norms = stats["weight"].batch_l2
+    assert norms.shape == (6,)
+    assert torch.all(norms[~mask] == 0) and torch.all(norms[mask] > 0)

@@ -347,7 +347,7 @@ class Accumulator:
                 "micro-batch and keeps DDP from synchronizing"
             )
         check_loss(loss, call)
-        check_summed(loss, call)
+        check_summed(loss, call, self.normalize)
         if not self._warned_bn and not self._graph_read:  # the first backward: the graph once
             self._graph_read = True
             name = batch_statistics_node(loss)

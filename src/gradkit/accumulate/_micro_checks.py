@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any, cast
 
 import torch
@@ -306,27 +307,31 @@ def check_loss(loss: Any, call: str) -> None:
         )
 
 
-def check_summed(loss: torch.Tensor, call: str) -> None:
+def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> None:
     """Refuse a loss whose graph records a mean over more than one row: a torch loss with its
     default ``reduction="mean"`` (Hugging Face's ``.loss`` among them), a ``reduction="none"``
     loss's ``.mean()``, also with a regularizer added. Each micro-batch's items would weigh
     ``1/n_j`` instead of ``1/N``. A mean the graph does not record (a sum divided by hand, a
-    custom loss, a mean times the micro-batch's count) is not seen; a mean divided by a
-    number (``mean / k``, the recipe of a plain loop: ``1/k`` of a mean is not a sum for any
-    count) is refused too."""
+    custom loss, a mean times the micro-batch's count) is not seen. A mean times ``1/k`` for
+    a whole ``k >= 2`` (``mean / k``, the recipe of a plain loop, which ``step()``'s division
+    shrinks again) is warned about: it is also a weighted sum (a task weight times a small
+    count), so it is not refused. With ``normalize="sum"`` (no division) it is the recipe."""
     factor, node = root_factor(loss)
     below = match_loss(node) if node is not loss.grad_fn else None
-    if below is not None and below.reduction == "mean" and below.rows != 1 and factor < 1:
-        raise GradkitError(
-            message(
-                call,
-                "loss",
-                "a sum over the micro-batch's items (step() divides by the window's count, once)",
-                f"{below.label}, a mean, times {factor:.6g}: a plain loop's mean / k, which "
-                "step()'s division would shrink again (the gradient about N times too small)",
-                "backpropagate the summed loss (reduction='sum'), or the mean times the "
-                "micro-batch's count, with no division by the number of micro-steps",
-            )
+    if (
+        normalize != "sum"
+        and below is not None
+        and below.reduction == "mean"
+        and below.rows != 1
+        and 0 < factor < 1
+        and abs(1 / factor - round(1 / factor)) < 1e-9 * (1 / factor)
+    ):
+        warnings.warn(
+            f"{call}: the loss is {below.label}, a mean, times {factor:.6g}: if that is a plain "
+            f"loop's mean / {round(1 / factor)}, step()'s division by the window's count "
+            "shrinks it again (the gradient about N times too small); backpropagate the summed "
+            "loss (reduction='sum'), or the mean times the micro-batch's count",
+            stacklevel=3,
         )
     for found in loss_reductions([loss]):
         if found.reduction != "mean" or found.rows == 1:

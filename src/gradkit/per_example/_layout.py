@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from gradkit._autograd import signed
 from gradkit._errors import GradkitError, message
 from gradkit._validate import check_int
 from gradkit.per_example._flat import leaves as flat_leaves
@@ -463,6 +464,35 @@ def _weighted_mean_message(label: str) -> str:
     )
 
 
+_DIM0_REDUCTIONS = ("Sum", "Mean", "Amax", "Amin", "Max", "Min", "Select", "Logsumexp")
+
+
+def _reduced_dim0(node: Any, depth: int = 8) -> bool:
+    """Whether the loss ``node``'s input comes, through one-input operations, from a
+    reduction or a selection along dimension 0 (``h.sum(0)``, ``h[-1]`` of a ``[T, N, d]``
+    output): the loss's rows are then not a subset of the examples the layers split (a masked
+    or indexed loss over fewer rows is, and is not warned about)."""
+    nexts = [n for n, _ in node.next_functions if n is not None]
+    cur = nexts[0] if nexts else None
+    for _ in range(depth):
+        if cur is None:
+            return False
+        name = type(cur).__name__.rstrip("0123456789").removesuffix("Backward")
+        if name in _DIM0_REDUCTIONS:
+            dims = getattr(cur, "_saved_dim", None)
+            if dims is None:
+                return False
+            shape = getattr(cur, "_saved_self_sym_sizes", None)
+            rank = len(shape) if shape is not None else None
+            wanted = dims if isinstance(dims, tuple) else (dims,)
+            return any(signed(d) % rank == 0 if rank else signed(d) == 0 for d in wanted)
+        kids = [n for n, _ in cur.next_functions if n is not None]
+        if len(kids) != 1:
+            return False
+        cur = kids[0]
+    return False
+
+
 def _warn_fewer_rows(found: LossReduction, n: int) -> None:
     """A loss over fewer rows than the examples the tracked layers split: a sequence-first
     model read with ``batch_dim=0`` (the time steps taken for the examples: ``[T, N, d]``
@@ -494,10 +524,10 @@ def check_loss_reduction(
     if n == 1:  # a mean over one example is its sum: either reading gives its gradient
         return
     for found in loss_reductions(roots):
-        if n is not None and found.rows is not None and found.rows < n:
-            only_root = found.root and len(roots) == 1
-            if only_root or reaches(found.node, targets):
-                _warn_fewer_rows(found, n)
+        fewer = n is not None and found.rows is not None and found.rows < n
+        if fewer and _reduced_dim0(found.node) and reaches(found.node, targets):
+            assert n is not None
+            _warn_fewer_rows(found, n)
         if found.weighted:  # read as a sum, l_i = w[y_i] * loss_i / sum(w[y])
             passes = declared == "sum"
         else:  # a mean over other rows than the examples (tokens) read as a sum passes
