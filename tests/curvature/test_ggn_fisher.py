@@ -452,14 +452,20 @@ def test_the_empirical_fisher_leaves_the_random_stream_as_it_was():
     """Only the Monte Carlo Fisher samples; the empirical one drew a seed all the same, which
     moved the caller's next dropout mask."""
     model, loss_fn, batch = ce_problem()
+
+    def states() -> list[torch.Tensor]:  # the CPU's generator and CUDA's, where there
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return [torch.get_rng_state(), *cuda]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(s, t) for s, t in zip(a, b, strict=True))
+
     torch.manual_seed(0)
-    want = torch.rand(3)
-    torch.manual_seed(0)
+    want = states()
     F_emp = Fisher(model, loss_fn, batch, kind="empirical")
-    assert torch.equal(torch.rand(3), want)
-    torch.manual_seed(0)
-    Fisher(model, loss_fn, batch, kind="mc")  # draws its seed, as documented
-    assert not torch.equal(torch.rand(3), want)
+    assert same(states(), want)
+    Fisher(model, loss_fn, batch, kind="mc")  # draws its seed (the CPU's), as documented
+    assert not same(states(), want)
     assert F_emp.dense().shape[0] == sum(p.numel() for p in model.parameters())
 
 

@@ -181,7 +181,8 @@ def test_a_shuffling_data_loader_weighs_each_batch_by_its_own_targets(wrapped):
     torch.manual_seed(1)
     model = _Wrapped(mlp()) if wrapped else mlp()
     loss = nn.CrossEntropyLoss()
-    gen = torch.Generator("cpu").manual_seed(3)  # the sampler draws on the CPU
+    # the loader draws its order on the default device (CUDA as the test device)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(3)
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=gen)
     H_ref = dense_hessian(model, loss, [(x, y)])
     H = Hessian(model, loss, loader)

@@ -60,8 +60,9 @@ METHOD_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("kind", METHOD_OPTIONS)
-def test_the_outer_loop_lowers_the_validation_loss(kind):
+def _outer_run(kind, outer_lr=0.05):
+    """Eight outer iterations of ``kind`` on the softmax problem; the history and the
+    hyperparameters tuned."""
     inner, outer, opt, h = _problem()
     options = dict(METHOD_OPTIONS[kind])
     method = options.pop("method", kind)
@@ -75,14 +76,26 @@ def test_the_outer_loop_lowers_the_validation_loss(kind):
         {k: h[k] for k in names},
         method=method,
         steps=steps,
-        outer_opt=functools.partial(torch.optim.Adam, lr=0.05),
+        outer_opt=functools.partial(torch.optim.Adam, lr=outer_lr),
         projections={"l2": "nonnegative"},
         **options,
     )
-    history = hopt.run(8)
+    return hopt.run(8), h, names, method
+
+
+@pytest.mark.parametrize("kind", METHOD_OPTIONS)
+def test_the_outer_loop_lowers_the_validation_loss(kind):
+    history, h, names, method = _outer_run(kind)
     losses = [r.outer_loss for r in history]
     assert len(history) == 8 and [r.iteration for r in history] == list(range(8))
-    assert losses[-1] < losses[0], losses
+    if method == "rtho":
+        # RTHO trains on across its iterations (4 more inner steps each): the validation loss
+        # may rise as the model overfits (it did for 3 of 8 data seeds); the tuned run must end
+        # below the same run with the hyperparameters frozen
+        frozen = [r.outer_loss for r in _outer_run(kind, outer_lr=0.0)[0]]
+        assert losses[0] == frozen[0] and losses[-1] < frozen[-1], (losses, frozen)
+    else:
+        assert losses[-1] < losses[0], losses
     assert all(math.isfinite(v) for v in losses)
     assert float(h["l2"]) >= 0
     for name in names:
@@ -90,6 +103,7 @@ def test_the_outer_loop_lowers_the_validation_loss(kind):
     if method == "rtho":
         assert [r.inner_steps for r in history] == [4 * (i + 1) for i in range(8)]
     else:
+        steps = {"implicit": 200}.get(method, 12)
         assert all(r.inner_steps == steps for r in history)
 
 

@@ -237,24 +237,31 @@ def test_a_re_run_that_fails_is_refused_naming_the_module_and_fixes() -> None:
         assert words in text, text
 
 
-@pytest.mark.parametrize("kind", ["rnn_dropout", "dropout_layer"])
+@pytest.mark.parametrize("kind", ["rnn_dropout", "dropout_layer", "vmapped"])
 def test_a_random_forward_the_loop_re_runs_is_refused_naming_its_dropout(kind: str) -> None:
-    """An RNN (no vmap batching rule: re-run in a loop) with dropout between its layers in
-    training mode drew other masks on each re-run: reading raised that the re-runs did not
-    reproduce the batch's output, without the cause. It is refused naming the dropout; in eval
-    mode the same model is tracked."""
+    """An RNN (no vmap batching rule on the CPU: re-run in a loop) with dropout between its
+    layers in training mode drew other masks on each re-run: reading raised that the re-runs did
+    not reproduce the batch's output, without the cause. It is refused naming the dropout; in eval
+    mode the same model is tracked. Where vmap batches the module (``vmapped``; CUDA's RNN
+    kernels too) its refusal of randomness names the dropout as well."""
     torch.manual_seed(0)
 
     class WithDropout(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             layers = 2 if kind == "rnn_dropout" else 1
-            self.rnn = nn.GRU(4, 5, num_layers=layers, dropout=0.5 if layers > 1 else 0.0)
-            self.drop = nn.Dropout(0.3 if kind == "dropout_layer" else 0.0)
+            self.rnn = (
+                nn.Sequential(nn.Linear(4, 5), nn.Tanh())  # batched by vmap: no loop
+                if kind == "vmapped"
+                else nn.GRU(4, 5, num_layers=layers, dropout=0.5 if layers > 1 else 0.0)
+            )
+            self.drop = nn.Dropout(0.0 if kind == "rnn_dropout" else 0.3)
             self.scale = nn.Parameter(torch.ones(5))  # its own: re-run whole by the fallback
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.drop(self.rnn(x.transpose(0, 1))[0] * self.scale).transpose(0, 1)
+            h = self.rnn(x.transpose(0, 1))
+            h = h if kind == "vmapped" else h[0]
+            return self.drop(h * self.scale).transpose(0, 1)
 
     model = nn.Sequential(WithDropout(), nn.Flatten(), nn.Linear(15, 1)).double().train()
     x = torch.randn(4, 3, 4, dtype=torch.float64)
@@ -262,7 +269,8 @@ def test_a_random_forward_the_loop_re_runs_is_refused_naming_its_dropout(kind: s
     with pytest.raises(GradkitError, match=want), track(model, "variance"):
         model(x).pow(2).sum().backward()
     model.eval()
-    with track(model, "variance") as stats:
+    # cuDNN's RNN has no backward in eval mode (torch raises, tracked or not): its native kernel
+    with torch.backends.cudnn.flags(enabled=False), track(model, "variance") as stats:
         model(x).pow(2).sum().backward()
     assert stats.num_examples == 4
 

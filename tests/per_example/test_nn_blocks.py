@@ -368,7 +368,11 @@ def test_float32_agrees_and_grad_untouched(case: Case) -> None:
     model.zero_grad()
     stats = tracked(case, model, batch, [4], "mean")
     assert same_grads({k: p.grad for k, p in model.named_parameters()}, plain) == []
-    compare(stats, ref, rtol=1e-4, atol=1e-5)
+    # cuDNN's float32 RNN sums in another order than the CPU's (3.1e-5 off, seen on an H200)
+    cudnn_rnn = torch.get_default_device().type == "cuda" and any(
+        isinstance(m, nn.RNNBase) for m in model.modules()
+    )
+    compare(stats, ref, rtol=1e-4, atol=5e-5 if cudnn_rnn else 1e-5)
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -174,7 +174,7 @@ class BiGRU(nn.Module):
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         packed = pack_padded_sequence(
-            self.emb(ids), lengths, batch_first=True, enforce_sorted=False
+            self.emb(ids), lengths.cpu(), batch_first=True, enforce_sorted=False
         )
         _, h = self.rnn(packed)
         if self.combine == "cat":
@@ -241,7 +241,7 @@ class PaddedHead(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         bf = self.batch_first
-        packed = pack_padded_sequence(x, lengths, batch_first=bf, enforce_sorted=False)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=bf, enforce_sorted=False)
         out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=bf, total_length=6)
         if not bf:
             out = out.transpose(0, 1)

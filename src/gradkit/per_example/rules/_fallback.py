@@ -176,6 +176,9 @@ def _per_example_vjp(
             result = both(batched, cotangents)
     except RuntimeError as err:
         if "random" in str(err).lower():
+            random = _random_layer(module)
+            if random is not None:  # vmap refuses randomness (CUDA's RNN kernels batch too)
+                raise _random_refusal(module, random) from err
             raise GradkitError(
                 f"per_example.track: the vmap fallback cannot re-run {type(module).__name__}"
                 f" example by example: its forward is random ({err}); put it in eval mode "
@@ -189,17 +192,7 @@ def _per_example_vjp(
         return checked(result)
     random = _random_layer(module)
     if random is not None:  # vmap refuses randomness; the loop would draw other masks
-        raise GradkitError(
-            message(
-                _by_fallback(module),
-                "model",
-                "a module whose forward the fallback can re-run on each example alone",
-                f"{type(module).__name__} with {random} in training mode: each re-run would "
-                "draw other random masks than the batch's",
-                "put it in eval mode (or its dropout at 0) while tracking, register a rule "
-                "(@gradkit.per_example.register_rule), or freeze its parameters",
-            )
-        )
+        raise _random_refusal(module, random)
     try:
         rows = [
             one(
@@ -225,6 +218,22 @@ def _per_example_vjp(
     found = tuple(torch.stack(parts) for parts in zip(*(r[0] for r in rows), strict=True))
     outs = tuple(torch.stack(parts) for parts in zip(*(r[1] for r in rows), strict=True))
     return checked((found, outs))
+
+
+def _random_refusal(module: nn.Module, random: str) -> GradkitError:
+    """The error for a module the fallback cannot re-run: ``random`` (what
+    :func:`_random_layer` found) draws other masks on each re-run."""
+    return GradkitError(
+        message(
+            _by_fallback(module),
+            "model",
+            "a module whose forward the fallback can re-run on each example alone",
+            f"{type(module).__name__} with {random} in training mode: each re-run would "
+            "draw other random masks than the batch's",
+            "put it in eval mode (or its dropout at 0) while tracking, register a rule "
+            "(@gradkit.per_example.register_rule), or freeze its parameters",
+        )
+    )
 
 
 def _random_layer(module: nn.Module) -> str | None:
