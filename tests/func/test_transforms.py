@@ -71,6 +71,22 @@ def test_grad_errors():
         grad(3)
 
 
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_grad_of_a_one_element_output_is_that_of_its_scalar(shape):
+    """The scalar check accepted ``[1]`` and torch then raised its own "Expected f(*args) to
+    return a scalar Tensor", naming grad_and_value; hvp and hessian take it as its scalar."""
+    x = torch.tensor([1.0, 2.0], dtype=D)
+    f = lambda v: (v**3).sum().reshape(shape)
+    want = 3 * x**2
+    assert_close(grad(f)(x), want)
+    value, g = value_and_grad(f)(x)
+    assert value.shape == () and float(value) == 9.0
+    assert_close(g, want)
+    (value, aux), g = value_and_grad(lambda v: (f(v), v), has_aux=True)(x)
+    assert value.shape == () and torch.equal(aux, x)
+    assert_close(g, want)
+
+
 def test_grad_unused_argument_gives_zeros():
     gx, gy = grad(lambda x, y: x.sum(), argnums=(0, 1))(torch.ones(2), torch.ones(3))
     assert_close(gy, torch.zeros(3))
@@ -455,6 +471,56 @@ def test_hessian_is_checked_by_a_double_backward_product(f, point, caplog):
     raw = torch.func.jacrev(torch.func.jacrev(f))(x).reshape(n, n)
     if (raw - want).abs().max() > 1e-6:  # torch.func is wrong here in this torch
         assert "disagrees with double backward" in caplog.text
+
+
+def _square_custom():
+    @custom_gradient
+    def sq(x):
+        return x**2, lambda dy: dy * 2 * x
+
+    return sq
+
+
+def _sqrt_at_zero(square):
+    """torch.func drops a custom_gradient's curvature; the sqrt at 0 gives an infinite
+    entry, which switched the check off: the finite entries came back 0 for 2, silently."""
+    return lambda x: square(x[:2]).sum() + x[2].sqrt()
+
+
+def _where_nan(square):
+    """The same with torch.where's NaN pitfall in one column (rows 0-1 came back 0, NaN)."""
+
+    def f(x):
+        tail = x[2:]
+        return square(x[:2]).sum() + torch.where(tail > 0, tail.sqrt(), 0.0 * tail).sum()
+
+    return f
+
+
+def _small_beside_large(square):
+    """A wrong entry of 2e-7 beside one of 108 was within the check's tolerance, taken from
+    the largest entry (came back 0, silently)."""
+    return lambda x: 1e-7 * square(x[0]) + x[1] ** 4
+
+
+@pytest.mark.parametrize(
+    "make, point",
+    [
+        (_sqrt_at_zero, [1.0, 2.0, 0.0]),
+        (_where_nan, [1.0, 2.0, -1.0]),
+        (_small_beside_large, [1.0, 3.0]),
+    ],
+    ids=["inf-entry", "nan-column", "small-entry"],
+)
+def test_hessian_check_sees_finite_and_small_entries(make, point):
+    x = torch.tensor(point, dtype=D)
+    H = hessian(make(_square_custom()), x)
+    # the oracle: torch's double backward of the same function with the square written out
+    want = torch.autograd.functional.hessian(make(lambda t: t**2), x)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(H), finite)
+    assert torch.equal(torch.isnan(H), torch.isnan(want))
+    assert_close(H[finite], want[finite], rtol=1e-12, atol=0.0)
 
 
 def test_hessian_under_vmap_is_refused_with_a_worded_error():
