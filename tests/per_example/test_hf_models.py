@@ -522,3 +522,27 @@ def test_gradient_checkpointing(case_id: str) -> None:
     stats = run_tracked(case, model, "sum", (3, 2))
     ref = {k: g[:5] for k, g in oracle(case_id).items()}
     assert mismatches(stats, ref, rtol=1e-10, floor=1e-4) == []
+
+
+FINAL_NORMS = {
+    "gpt2": "transformer.ln_f",
+    "opt": "model.decoder.final_layer_norm",
+    "llama": "model.norm",
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(FINAL_NORMS))
+def test_only_the_final_norm_trained(case_id: str) -> None:
+    """Everything before the final norm frozen (a fine-tuning setup): the norm's input is made
+    inside the model without a graph, and HF's full slice of the hidden states before the head
+    (``hidden_states[:, -0:]``, an alias) was refused as moving the rows (GPT-2)."""
+    case = MODELS[case_id]
+    model = build(case)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(FINAL_NORMS[case_id]))
+    inputs, targets = case.batch(4)
+    ref = per_example_oracle(model, inputs, case.loss, targets)
+    assert ref and all(k.startswith(FINAL_NORMS[case_id]) for k in ref)
+    with track(model, *QUANTITIES, moments=(3,), loss_reduction="sum") as stats:
+        case.loss(model(**inputs), targets).sum().backward()
+    assert mismatches(stats, ref, rtol=1e-10, floor=1e-4) == []

@@ -317,6 +317,7 @@ _PER_ENTRY = frozenset(
         "Add",
         "Addcdiv",
         "Addcmul",
+        "Alias",  # an identity view (a full slice, HF's hidden_states[:, -0:])
         "Atan",
         "Clamp",
         "ClampMax",
