@@ -52,6 +52,31 @@ def test_a_recorded_mean_is_refused_and_adds_nothing(name: str) -> None:
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
+def test_a_token_mean_of_one_sequence_is_refused() -> None:
+    """A micro-batch of one sequence, ``cross_entropy`` on ``[1, C, T]``: a mean over its
+    tokens, read as "a mean over one row" (its sum) and accepted, 117 % off the large batch's
+    mean over all tokens with padding."""
+    torch.manual_seed(0)
+    lm = nn.Sequential(nn.Embedding(10, 6), nn.Tanh(), nn.Linear(6, 10)).double()
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
+    tokens, labels = (
+        torch.randint(1, 10, (4, 6), generator=g),
+        torch.randint(0, 10, (4, 6), generator=g),
+    )
+    labels[0, 2:] = -100
+    acc = Accumulator(lm, torch.optim.SGD(lm.parameters(), lr=0.1))
+    with pytest.raises(
+        GradkitError, match=r"NllLoss2DBackward0 \(reduction='mean'\), a mean over 6"
+    ) as info:
+        for t, lab in acc.split((tokens, labels), micro_batch_size=1):
+            with acc.micro_step():
+                acc.backward(F.cross_entropy(lm(t).transpose(1, 2), lab))
+    # the count to pass is the targets kept, not the examples (87 % off with the examples)
+    assert "count of the targets kept" in str(info.value)
+    assert "normalize='tokens'" in str(info.value)
+    assert all(p.grad is None for p in lm.parameters())
+
+
 SUMS: dict[str, Loss] = {
     "sum": lambda out, y: F.cross_entropy(out, y, reduction="sum"),
     "mean_times_count": lambda out, y: F.cross_entropy(out, y) * y.shape[0],

@@ -390,6 +390,35 @@ def test_what_cannot_be_told_is_not_refused(case):
     assert stats.num_examples == 5
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_token_mean_on_classes_in_dimension_1_reads_as_the_flattened_one(reduction):
+    """``cross_entropy`` on ``[N, C, T]`` is a mean over the ``N T`` targets, as on the
+    flattened ``[N T, C]``: declared ``"sum"`` it was refused as "a mean over 5 rows" (the
+    examples), with advice that changes the statistics; both layouts now give the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 4)).double()
+    gen = torch.Generator(torch.get_default_device()).manual_seed(1)
+    ids = torch.randint(0, 9, (5, 6), generator=gen)
+    tg = torch.randint(0, 4, (5, 6), generator=gen)
+    tg[1, 2:] = -100
+    got = []
+    for layout in (lambda o: o.reshape(-1, 4), lambda o: o.transpose(1, 2)):
+        with track(model, "batch_grad", "variance", loss_reduction=reduction) as stats:
+            target = tg.reshape(-1) if layout(model(ids)).dim() == 2 else tg
+            F.cross_entropy(layout(model(ids)), target).backward()
+        model.zero_grad()
+        got.append(stats["1.weight"].batch_grad)
+    count = int((tg != -100).sum())
+    share = 5 / count if reduction == "mean" else 1 / count
+
+    def per_example(o, t):
+        return share * F.cross_entropy(o.transpose(1, 2), t, reduction="sum")
+
+    ref = per_example_grads(model, per_example, ids, tg)
+    assert_close(got[0], ref["1.weight"])
+    assert_close(got[1], ref["1.weight"])
+
+
 def test_a_mean_loss_plus_regularizer_is_exact():
     torch.manual_seed(0)
     model = nn.Linear(3, 4).double()

@@ -337,6 +337,7 @@ def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> 
         if found.reduction != "mean" or found.rows == 1:
             continue
         over = f"{found.rows} rows" if found.rows is not None else "its rows"
+        nll = found.label.startswith("NllLoss")
         raise GradkitError(
             message(
                 call,
@@ -346,7 +347,15 @@ def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> 
                 "build it with reduction='sum' (e.g. F.cross_entropy(logits, y, "
                 "reduction='sum')) or multiply the mean by the micro-batch's count; a Hugging "
                 "Face model's .loss is a mean over its tokens: sum the token losses from its "
-                "logits and pass the token count as micro_step(count=...)",
+                "logits and pass the token count as micro_step(count=...)"
+                + (
+                    "; a cross entropy with ignore_index targets or class weights divides by "
+                    "the count of the targets kept (or the sum of their weights, w[y].sum()): "
+                    "pass that as micro_step(count=...) with Accumulator(..., "
+                    "normalize='tokens'), not the number of examples"
+                    if nll
+                    else ""
+                ),
             )
         )
 

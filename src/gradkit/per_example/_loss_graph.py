@@ -43,7 +43,8 @@ _NLL = ("NllLossBackward0", "NllLoss2DBackward0")
 
 class LossMatch(NamedTuple):
     """A loss found at a node: its ``label`` for messages, its ``reduction`` (``"mean"`` or
-    ``"sum"``) over ``rows`` (its input's first dimension: the examples, or tokens), and whether
+    ``"sum"``) over ``rows`` (its input's first dimension: the examples, or tokens; an NLL
+    loss's targets, ``N d1 ...`` of a ``[N, C, d1, ...]`` input), and whether
     the mean is ``weighted`` by class weights (each example's share is ``w[y_i] / sum(w[y])``,
     not ``1 / N``)."""
 
@@ -84,14 +85,20 @@ def _sizes(node: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in getattr(node, "_saved_self_sym_sizes", ()))
 
 
-def _input_rows(node: Any) -> int | None:
-    """The first dimension of the tensor ``node``'s first input had in the forward."""
+def _input_rows(node: Any, *, classes_in_dim1: bool = False) -> int | None:
+    """The first dimension of the tensor ``node``'s first input had in the forward; with
+    ``classes_in_dim1`` (an NLL loss on ``[N, C, d1, ...]``, whose mean is over its ``N d1 ...``
+    targets), the number of its targets."""
     try:
         nxt, k = node.next_functions[0]
         shape = list(nxt._input_metadata[k].shape)
     except (AttributeError, IndexError, RuntimeError, TypeError):
         return None
-    return int(shape[0]) if len(shape) >= 2 else None
+    if len(shape) < 2:
+        return None
+    if classes_in_dim1:
+        return int(shape[0]) * math.prod(int(s) for s in shape[2:])
+    return int(shape[0])
 
 
 def _class_weighted(node: Any) -> bool:
@@ -110,7 +117,7 @@ def _saved(node: Any) -> LossMatch | None:
     name, reduction = _name(node), _REDUCTIONS[saved]
     weighted = name in _NLL and reduction == "mean" and _class_weighted(node)
     label = f"{name} (reduction='{reduction}'{', weight=...' if weighted else ''})"
-    return LossMatch(label, reduction, _input_rows(node), weighted)
+    return LossMatch(label, reduction, _input_rows(node, classes_in_dim1=name in _NLL), weighted)
 
 
 # -- per-element chains under a full mean()/sum(): (torch function, also matched as a sum) ------
