@@ -285,6 +285,18 @@ def test_split_batch_structures_and_errors():
         split_batch(3, micro_batch_size=1)
 
 
+def test_split_batch_keeps_a_namedtuple():
+    """A namedtuple batch was rebuilt from one generator: a raw TypeError from its __new__."""
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", "x y")
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    parts = split_batch(Batch(x, y), micro_batch_size=2)
+    assert all(type(p) is Batch for p in parts)
+    assert [p.y.tolist() for p in parts] == [[0, 1], [2, 3], [4]]
+    assert torch.equal(torch.cat([p.x for p in parts]), x)
+
+
 def test_split_batch_refuses_arrays_it_cannot_slice():
     """A NumPy array in the batch (per-example weights, say) was handed whole to every
     micro-batch: with micro-batches of one example it broadcast silently (5x off the weighted

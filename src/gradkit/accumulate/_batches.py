@@ -144,7 +144,10 @@ def slice_batch(batch: Any, start: int, stop: int, n: int | None = None, batch_d
     if _per_example(batch, n):
         return batch[start:stop]
     if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop, n, batch_dim) for v in batch)
+        parts = [slice_batch(v, start, stop, n, batch_dim) for v in batch]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: by field
+            return type(batch)(*parts)
+        return type(batch)(parts)
     return batch  # non-tensor leaves are shared by every micro-batch
 
 
