@@ -451,3 +451,21 @@ def test_tensorflow_form_with_a_stale_step_is_dropped_and_wrong_mixes_are_named(
         )
     with pytest.raises(TypeError, match="local_step"):
         acc.apply_grad(IndexedSlices(torch.tensor([0]), torch.ones(1, 3), (5, 3)), 1, 2)
+
+
+def test_tensorflow_form_takes_python_lists_as_tensorflow_does():
+    """``apply_grad([1], [[1., 2.]], local_step=0)``, TensorFlow's form with lists (which it
+    converts), raised "indices: expected a torch.Tensor"; float rows are still refused."""
+    from_lists = SparseConditionalAccumulator(shape=(4, 2))
+    from_tensors = SparseConditionalAccumulator(shape=(4, 2))
+    assert from_lists.apply_grad([1, 3], [[1, 2], [3.5, 4]], None, 0)
+    assert from_lists.apply_grad([3], [[1.0, 1.0]], local_step=0)
+    assert from_tensors.apply_grad(
+        torch.tensor([1, 3]), torch.tensor([[1.0, 2.0], [3.5, 4.0]]), None, 0
+    )
+    assert from_tensors.apply_grad(torch.tensor([3]), torch.tensor([[1.0, 1.0]]), local_step=0)
+    a, b = from_lists.take_grad(2), from_tensors.take_grad(2)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    assert a.values.dtype == torch.float32
+    with pytest.raises(TypeError, match="indices: expected an int32 or int64 tensor"):
+        from_lists.apply_grad([1.5], [[1.0, 2.0]], local_step=5)

@@ -314,6 +314,12 @@ class SparseConditionalAccumulator(Configured):
                     "pass local_step by keyword",
                 )
             )
+        # TensorFlow converts Python lists (of row numbers, of values in the accumulator's dtype)
+        if isinstance(indices, (list, tuple)):  # its own dtype: float rows are refused
+            indices = torch.as_tensor(indices, device="cpu")
+            indices = indices.long() if indices.numel() == 0 else indices
+        if isinstance(grad_values, (list, tuple)):
+            grad_values = torch.as_tensor(grad_values, dtype=self._dtype, device="cpu")
         return self.apply_indexed_slices_grad(
             indices, grad_values, local_step, dense_shape=grad_shape
         )
