@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gradkit._autograd import graph_nodes
+from gradkit._autograd import graph_nodes, signed
 from gradkit._errors import GradkitError, describe, message
 from gradkit.per_example._layout import loss_reductions, root_factor
 from gradkit.per_example._loss_graph import match_loss
@@ -310,9 +310,11 @@ def check_loss(loss: Any, call: str) -> None:
 def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> None:
     """Refuse a loss whose graph records a mean over more than one row: a torch loss with its
     default ``reduction="mean"`` (Hugging Face's ``.loss`` among them), a ``reduction="none"``
-    loss's ``.mean()``, also with a regularizer added. Each micro-batch's items would weigh
-    ``1/n_j`` instead of ``1/N``. A mean the graph does not record (a sum divided by hand, a
-    custom loss, a mean times the micro-batch's count) is not seen. A mean times ``1/k`` for
+    loss's ``.mean()``, also with a regularizer added; a loss that is a plain ``.mean()`` or
+    ``.mean(0)`` over more than one row (:func:`_plain_mean`). Each micro-batch's items would
+    weigh ``1/n_j`` instead of ``1/N``. A mean the graph does not record (a sum divided by
+    hand, a custom loss's mean below other operations, a mean times the micro-batch's count)
+    is not seen. A mean times ``1/k`` for
     a whole ``k >= 2`` (``mean / k``, the recipe of a plain loop, which ``step()``'s division
     shrinks again) is warned about: it is also a weighted sum (a task weight times a small
     count), so it is not refused. With ``normalize="sum"`` (no division) it is the recipe."""
@@ -358,6 +360,65 @@ def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> 
                 ),
             )
         )
+
+    # a mean times a constant may be a sum (times the micro-batch's count): not refused
+    plain = _plain_mean(node) if factor == 1.0 else None
+    if plain is not None:
+        raise GradkitError(
+            message(
+                call,
+                "loss",
+                "a sum over the micro-batch's items (step() divides by the window's count, once)",
+                f"a loss that ends in {plain}: each micro-batch's items would weigh 1/n_j "
+                "instead of 1/N",
+                "take the sum instead of the mean (or build the torch loss with "
+                "reduction='sum'), or multiply the mean by the micro-batch's count",
+            )
+        )
+
+
+_REDUCING = ("Sum", "Mean", "Nansum", "Amax", "Amin", "Max", "Min", "Logsumexp", "Norm")
+
+
+def _name(node: Any) -> str:
+    return type(node).__name__
+
+
+def _plain_mean(node: Any) -> str | None:
+    """What the loss's top node (below multiplications by constants: :func:`root_factor`) is
+    where it is a mean over the rows of a tensor of more than one row: ``t.mean()``, and a
+    ``t.mean(0)`` (also under a full ``.sum()``), ``t`` not itself a reduction (whose rows
+    may be features: ``t.sum(0).mean()`` is a sum over the items). The torch losses whose mean
+    torch writes out so (``margin_ranking_loss``, ``hinge_embedding_loss``,
+    ``triplet_margin_loss``) and a hand-written ``((o - t)**2).mean()`` end so; None
+    otherwise."""
+
+    def op(n: Any) -> str:
+        return type(n).__name__.rstrip("0123456789").removesuffix("Backward")
+
+    if node is None:
+        return None
+    if op(node) == "Sum" and getattr(node, "_saved_dim", None) is None:  # .mean(0).sum()
+        kids = [n for n, _ in node.next_functions if n is not None]
+        if len(kids) == 1 and op(kids[0]) == "Mean":
+            node = kids[0]
+    if op(node) != "Mean":
+        return None
+    sizes = tuple(int(s) for s in getattr(node, "_saved_self_sym_sizes", ()) or ())
+    dims = getattr(node, "_saved_dim", None)
+    over_rows = dims is None or any(signed(d) % max(len(sizes), 1) == 0 for d in dims)
+    if not sizes or sizes[0] <= 1 or not over_rows:
+        return None
+    below = [n for n, _ in node.next_functions if n is not None]
+    if not below:
+        return None
+    if op(below[0]) in _REDUCING:  # over the rows (t.sum(0).mean()): the rows are gone
+        inner = tuple(getattr(below[0], "_saved_self_sym_sizes", ()) or ())
+        inner_dims = getattr(below[0], "_saved_dim", None)
+        if inner_dims is None or not inner or any(signed(d) % len(inner) == 0 for d in inner_dims):
+            return None
+    what = "mean()" if dims is None else f"mean(dim={tuple(signed(d) for d in dims)})"
+    return f"{type(node).__name__}, a mean over {sizes[0]} rows ({what} of {_name(below[0])})"
 
 
 def find_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
