@@ -14,10 +14,11 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gradkit._autograd import graph_nodes, signed
+from gradkit._autograd import graph_nodes
 from gradkit._errors import GradkitError, describe, message
+from gradkit.per_example._batch import _op, _saved_dims
 from gradkit.per_example._layout import loss_reductions, root_factor
-from gradkit.per_example._loss_graph import match_loss
+from gradkit.per_example._loss_graph import _NLL, match_loss
 
 __all__ = [
     "as_count",
@@ -339,7 +340,7 @@ def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> 
         if found.reduction != "mean" or found.rows == 1:
             continue
         over = f"{found.rows} rows" if found.rows is not None else "its rows"
-        nll = found.label.startswith("NllLoss")
+        nll = type(found.node).__name__ in _NLL
         raise GradkitError(
             message(
                 call,
@@ -380,45 +381,42 @@ def check_summed(loss: torch.Tensor, call: str, normalize: str = "examples") -> 
 _REDUCING = ("Sum", "Mean", "Nansum", "Amax", "Amin", "Max", "Min", "Logsumexp", "Norm")
 
 
-def _name(node: Any) -> str:
-    return type(node).__name__
+def _over_rows(node: Any) -> bool:
+    """Whether the reduction ``node`` reduces dimension 0 of its input (all of them where it
+    saved no dimension)."""
+    rank = len(getattr(node, "_saved_self_sym_sizes", ()) or ())
+    dims = _saved_dims(node, rank)
+    return dims is None or 0 in dims
 
 
 def _plain_mean(node: Any) -> str | None:
     """What the loss's top node (below multiplications by constants: :func:`root_factor`) is
     where it is a mean over the rows of a tensor of more than one row: ``t.mean()``, and a
-    ``t.mean(0)`` (also under a full ``.sum()``), ``t`` not itself a reduction (whose rows
-    may be features: ``t.sum(0).mean()`` is a sum over the items). The torch losses whose mean
-    torch writes out so (``margin_ranking_loss``, ``hinge_embedding_loss``,
+    ``t.mean(0)`` (also under a full ``.sum()``), ``t`` not itself a reduction over its rows
+    (whose rows may then be features: ``t.sum(0).mean()`` is a sum over the items). The torch
+    losses whose mean torch writes out so (``margin_ranking_loss``, ``hinge_embedding_loss``,
     ``triplet_margin_loss``) and a hand-written ``((o - t)**2).mean()`` end so; None
     otherwise."""
-
-    def op(n: Any) -> str:
-        return type(n).__name__.rstrip("0123456789").removesuffix("Backward")
-
     if node is None:
         return None
-    if op(node) == "Sum" and getattr(node, "_saved_dim", None) is None:  # .mean(0).sum()
+    if _op(node) == "Sum" and getattr(node, "_saved_dim", None) is None:  # .mean(0).sum()
         kids = [n for n, _ in node.next_functions if n is not None]
-        if len(kids) == 1 and op(kids[0]) == "Mean":
+        if len(kids) == 1 and _op(kids[0]) == "Mean":
             node = kids[0]
-    if op(node) != "Mean":
+    if _op(node) != "Mean":
         return None
-    sizes = tuple(int(s) for s in getattr(node, "_saved_self_sym_sizes", ()) or ())
-    dims = getattr(node, "_saved_dim", None)
-    over_rows = dims is None or any(signed(d) % max(len(sizes), 1) == 0 for d in dims)
-    if not sizes or sizes[0] <= 1 or not over_rows:
+    sizes = tuple(getattr(node, "_saved_self_sym_sizes", ()) or ())
+    if not sizes or int(sizes[0]) <= 1 or not _over_rows(node):
         return None
     below = [n for n, _ in node.next_functions if n is not None]
-    if not below:
-        return None
-    if op(below[0]) in _REDUCING:  # over the rows (t.sum(0).mean()): the rows are gone
-        inner = tuple(getattr(below[0], "_saved_self_sym_sizes", ()) or ())
-        inner_dims = getattr(below[0], "_saved_dim", None)
-        if inner_dims is None or not inner or any(signed(d) % len(inner) == 0 for d in inner_dims):
-            return None
-    what = "mean()" if dims is None else f"mean(dim={tuple(signed(d) for d in dims)})"
-    return f"{type(node).__name__}, a mean over {sizes[0]} rows ({what} of {_name(below[0])})"
+    if not below or (_op(below[0]) in _REDUCING and _over_rows(below[0])):
+        return None  # no input, or the rows reduced already (t.sum(0).mean())
+    dims = _saved_dims(node, len(sizes))
+    what = "mean()" if dims is None else f"mean(dim={dims})"
+    return (
+        f"{type(node).__name__}, a mean over {int(sizes[0])} rows ({what} of "
+        f"{type(below[0]).__name__})"
+    )
 
 
 def find_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:

@@ -360,13 +360,7 @@ def _checked_product(
     if not bool(finite.all()):  # leave out the columns of a non-finite entry
         w = torch.where(finite.all(0).all(0), w, torch.zeros_like(w))
         blocks = torch.where(finite, blocks, torch.zeros_like(blocks))
-    got = torch.einsum("k,kij,j->i", c, blocks, w)
     want = _product_double_backward(flat_f, v0, c, w, call)
-    # rounding of both products: sqrt(eps) of each row's sum_kj |c_k H_kij w_j|, and n eps of
-    # the largest (the rounding of rows that cancel)
-    bound = torch.einsum("k,kij,j->i", c.abs(), blocks.abs(), w.abs())
-    eps = torch.finfo(h.dtype).eps
-    tol = eps**0.5 * torch.maximum(bound, want.abs()) + n * eps * bound.max()
     if not bool(torch.isfinite(want).all()):
         logger.warning(
             "%s: double backward gives non-finite Hessian-vector products where torch.func's "
@@ -374,6 +368,12 @@ def _checked_product(
             call,
         )
         return _double_backward_all(h, flat_f, v0, chunk, call)
+    got = torch.einsum("k,kij,j->i", c, blocks, w)
+    # rounding of both products: sqrt(eps) of each row's sum_kj |c_k H_kij w_j|, and n eps of
+    # the largest (the rounding of rows that cancel)
+    bound = torch.einsum("k,kij,j->i", c.abs(), blocks.abs(), w.abs())
+    eps = torch.finfo(h.dtype).eps
+    tol = eps**0.5 * torch.maximum(bound, want.abs()) + n * eps * bound.max()
     off = (got - want).abs()
     if bool((off <= tol).all()):
         return h
