@@ -112,7 +112,6 @@ from gradkit.per_example._capture import (
     refuse_cached_parametrization,
     refuse_hook_before,
     rule_view,
-    tracked_modules,
 )
 from gradkit.per_example._edge_mean import EdgeMean
 from gradkit.per_example._flat import flatten, unflatten
@@ -123,10 +122,10 @@ from gradkit.per_example._layout import (
     backward_roots,
     call_layout,
     check_feature_dims,
-    inner_batch_dims,
     parse_batch_dim,
     scaled_mean,
 )
+from gradkit.per_example._plan import planned_modules
 from gradkit.per_example._registry import CheckedUses, RuleContext, check_result
 from gradkit.per_example._results import TrackerResults
 from gradkit.per_example._stats import PowerSums, add_block, parse_want, statistics_dtype
@@ -343,8 +342,7 @@ class Tracker(TrackerResults):
         self._params = {id(p): p for _, p in named}
         self._accs: dict[int, PowerSums] = {}
         register_available()  # rules for third-party layers whose library the user imported
-        dims = inner_batch_dims(modules, batch_dim, given_dims)
-        self._states = tracked_modules(modules, dims, fallback, call)
+        self._states = planned_modules(model, modules, batch_dim, given_dims, fallback, call)
         self._checked = {pid: self._names[pid] for st in self._states for pid in st.checked}
         # parameters whose uses outside their layers' calls cannot be followed (the vmap
         # fallback's, a user's rule's): refused in a pass through the graph of a gradient
