@@ -427,6 +427,22 @@ def test_fallback_modes():
         track(model, "mean")
 
 
+def test_arguments_equal_to_valid_ones_are_still_refused():
+    """The checked arguments are kept per value for the next call: a value equal to a valid
+    one (True == 1, 2.0 == 2) or unhashable is checked again, not taken for it."""
+    model = nn.Linear(2, 1)
+    for _ in range(2):
+        track(model, moments=(1, 2))
+        track(model, "variance")
+        with pytest.raises(ValueError, match="moments: expected positive integers"):
+            track(model, moments=(True, 2))
+        with pytest.raises(ValueError, match="moments: expected positive integers"):
+            track(model, moments=(1, 2.0))
+        with pytest.raises(ValueError, match="pass them as separate arguments"):
+            track(model, ["variance"])
+    assert track(model, "variance")._want is track(model, "variance")._want
+
+
 def test_bad_arguments():
     model = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="quantities: expected one of 'mean'"):

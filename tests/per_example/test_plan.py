@@ -53,6 +53,8 @@ def _fields(states):
             st.shared,
             st.checked,
             st.parametrized,
+            st.label,
+            st.builtin,
         )
         for st in states
     ]

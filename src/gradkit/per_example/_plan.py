@@ -55,6 +55,8 @@ class _Tracked:
     shared: bool
     checked: tuple[int, ...]
     parametrized: bool
+    label: str
+    builtin: bool
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ def planned_modules(
             st.shared,
             st.checked,
             st.parametrized,
+            st.label,
+            st.builtin,
         )
         for st in states
     )
@@ -160,4 +164,6 @@ def _state(t: _Tracked, modules: Mapping[str, nn.Module]) -> ModuleState:
     pids = {local: id(p) for local, p in params.items()}
     state = ModuleState(t.name, modules[t.name], t.rule, params, pids, t.batch_dim, t.fusion)
     state.shared, state.checked, state.parametrized = t.shared, t.checked, t.parametrized
+    # its cached properties, as the first state computed them (the class and rule are the plan's)
+    state.__dict__["label"], state.__dict__["builtin"] = t.label, t.builtin
     return state

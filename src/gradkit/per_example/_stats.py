@@ -81,7 +81,27 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_want(quantities: Sequence[Any], moments: Any, call: str) -> Want:
-    """Check ``track``'s ``*quantities`` and ``moments`` and say what to compute."""
+    """Check ``track``'s ``*quantities`` and ``moments`` and say what to compute (the same
+    :class:`Want` for the same arguments: a training loop asks at every step)."""
+    if type(quantities) is not tuple or type(moments) is not tuple:
+        return _parse_want(quantities, moments, call)
+    # the types too: 1 == True == 1.0, and only the int is a valid power
+    key = (quantities, moments, tuple(map(type, quantities)), tuple(map(type, moments)))
+    try:
+        want = _WANTS.get(key)
+    except TypeError:  # an unhashable argument: refused by the check
+        return _parse_want(quantities, moments, call)
+    if want is None:
+        want = _WANTS[key] = _parse_want(quantities, moments, call)
+        if len(_WANTS) > 64:
+            _WANTS.pop(next(iter(_WANTS)))
+    return want
+
+
+_WANTS: dict[tuple[Any, ...], Want] = {}
+
+
+def _parse_want(quantities: Sequence[Any], moments: Any, call: str) -> Want:
     options = ", ".join(repr(q) for q in QUANTITIES)
     for q in quantities:
         if isinstance(q, str) and q in QUANTITIES:
