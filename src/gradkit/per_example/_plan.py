@@ -2,15 +2,15 @@
 ``track()`` calls while nothing they depend on has changed.
 
 Deciding it (:func:`._capture.tracked_modules`, :func:`._layout.inner_batch_dims`) asks every
-module for its rule, its parametrizations, its hooks and its layout: 0.13 ms of the demo CNN's
+module for its rule, its parametrizations, its hooks and its layout: 0.12 ms of the demo CNN's
 2.5 ms tracked step, repeated at every step by a training loop that opens a ``track`` block per
 step. :func:`planned_modules` gives the same decision from a :class:`_Plan` kept for the model
 when the model is as it was when the plan was made, by this test (:func:`_structure`):
 
 - the same module objects under the same names (``named_modules()``), each of the same class,
-  in the same training mode, with the same forward pre-hooks (the hook-based weight and
-  spectral norms), the same ``batch_first`` and T5-style ``has_relative_attention_bias``
-  attributes;
+  in the same training mode, with the same children (a ``ParameterList`` its parent reads),
+  the same forward pre-hooks (the hook-based weight and spectral norms), the same
+  ``batch_first`` and T5-style ``has_relative_attention_bias`` attributes;
 - the same parameter objects in each module's ``_parameters``, each with the same
   ``requires_grad``;
 - the same registry of rules (:func:`.register_rule`; a library whose rules

@@ -790,11 +790,12 @@ class Tracker(TrackerResults):
             return False
         if not (output.requires_grad and torch.is_grad_enabled()):
             return False
+        weight = st.params["weight"]
+        if not fusable_call(st.fusion, x, weight, output):  # shapes only: asked first
+            return False
         if _low_precision([output], st.module):  # autograd's product: p.grad as untracked
             return False
-        weight = st.params["weight"]
-        # FSDP2: the forward used its own gathered weight
-        return fusable_call(st.fusion, x, weight, output) and not is_dtensor(weight)
+        return not is_dtensor(weight)  # FSDP2: the forward used its own gathered weight
 
     def _scale(self, n: int) -> float:
         """The factor from the gradients reaching a call of ``n`` examples to their ``g_i``
