@@ -4,6 +4,7 @@ modules, autograd.grad, layouts, dtypes, errors, hook hygiene."""
 from __future__ import annotations
 
 import math
+import types
 import warnings
 
 import pytest
@@ -484,6 +485,28 @@ def test_register_rule_mro_and_double_registration():
     )
     with pytest.raises(ValueError, match="already has"):
         gradkit.per_example.register_rule(nn.Linear)(lambda m, u, c: {})
+
+
+def test_a_forward_replaced_on_the_instance_is_not_its_class_s():
+    """``layer.forward = ...`` (as Accelerate's hooks do) runs another function than the one
+    the class's rule was written for: the exact fallback differentiates it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].forward = types.MethodType(
+        lambda self, x: 2 * F.linear(x, self.weight, self.bias), model[0]
+    )
+    assert gradkit.per_example.find_rule(model[0]) is None
+    assert gradkit.per_example.find_rule(model[2]) is not None
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    with track(model, "second_moment", "batch_l2") as stats:
+        F.cross_entropy(model(x), y).backward()
+    for name, g in ref.items():
+        torch.testing.assert_close(
+            stats[name].second_moment, g.square().mean(0), rtol=1e-10, atol=0
+        )
+    norms = sum(g.flatten(1).square().sum(1) for g in ref.values())
+    torch.testing.assert_close(stats.batch_l2(), norms, rtol=1e-10, atol=0)
 
 
 def test_derived_quantities_match_definitions():

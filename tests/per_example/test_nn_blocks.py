@@ -1064,7 +1064,16 @@ _REPARAMETRIZED = {
     "spectral_norm_eval": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4)).eval(),
     "hook_weight_norm": lambda: nn.utils.weight_norm(nn.Linear(3, 4)),
     "hook_spectral_norm_eval": lambda: nn.utils.spectral_norm(nn.Linear(3, 4)).eval(),
+    "pruned": lambda: _pruned(nn.Linear(3, 4)),
 }
+
+
+def _pruned(layer: nn.Module) -> nn.Module:
+    from torch.nn.utils import prune
+
+    prune.l1_unstructured(layer, "weight", amount=0.5)  # weight = weight_orig * weight_mask
+    prune.random_unstructured(layer, "bias", amount=0.5)
+    return layer
 
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")

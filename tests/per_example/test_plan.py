@@ -6,6 +6,7 @@ the two, field by field, and the statistics against a one-example-at-a-time loop
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -138,6 +139,19 @@ def _lists(m):
     m[3].reads = frozen
 
 
+def _doubled(self, x):
+    return 2 * F.linear(x, self.weight, self.bias)
+
+
+def _own_class(m, k=3):
+    # a class of its own that inherits Linear's forward (and so its rule)
+    m[k].__class__ = type("Inherits", (nn.Linear,), {})
+
+
+def _class_forward(m, k=3):
+    type(m[k]).forward = _doubled  # the class computes something else now: no Linear rule
+
+
 def _relative_bias(m):
     m[1].relative_attention_bias = nn.Embedding(4, 2).double()
     m[1].has_relative_attention_bias = False
@@ -161,6 +175,8 @@ CHANGES = {
         lambda m: setattr(m[1], "has_relative_attention_bias", True),
     ),
     "a subclass": lambda m: setattr(m[3], "__class__", ScaledLinear),
+    "a class's forward": (_own_class, _class_forward),
+    "an instance's forward": lambda m: setattr(m[0], "forward", types.MethodType(_doubled, m[0])),
     "a hook named WeightNorm": lambda m: m[0].register_forward_pre_hook(WeightNorm()),
     "freeze a weight": lambda m: m[0].weight.requires_grad_(False),
     "freeze a module": lambda m: m[2].requires_grad_(False),
@@ -291,6 +307,11 @@ def test_statistics_follow_the_model_across_steps():
         lambda m: torch.nn.utils.parametrizations.weight_norm(m[3]),
         lambda m: None,
         lambda m: m[2].requires_grad_(False),
+        lambda m: setattr(m[0], "forward", types.MethodType(_doubled, m[0])),
+        lambda m: delattr(m[0], "forward"),
+        lambda m: _own_class(m, 0),
+        lambda m: _class_forward(m, 0),
+        lambda m: None,
     ]
     for seed, change in enumerate(steps):
         change(model)

@@ -9,8 +9,9 @@ when the model is as it was when the plan was made, by this test (:func:`_struct
 
 - the same module objects under the same names (``named_modules()``), each of the same class,
   in the same training mode, with the same children (a ``ParameterList`` its parent reads),
-  the same forward pre-hooks (the hook-based weight and spectral norms), the same
-  ``batch_first`` and T5-style ``has_relative_attention_bias`` attributes;
+  the same ``forward`` (its class's, and any set on the instance), the same forward pre-hooks
+  (the hook-based weight and spectral norms), the same ``batch_first`` and T5-style
+  ``has_relative_attention_bias`` attributes;
 - the same parameter objects in each module's ``_parameters``, each with the same
   ``requires_grad``;
 - the same registry of rules (:func:`.register_rule`; a library whose rules
@@ -86,6 +87,8 @@ def _structure(modules: Mapping[str, nn.Module]) -> tuple[tuple[Any, ...], list[
                 tuple(module._forward_pre_hooks),
                 tuple(params),
                 tuple(p is not None and p.requires_grad for p in params.values()),
+                getattr(type(module), "forward", None),  # a rule is for its class's forward
+                attrs.get("forward"),  # replaced on the instance: the fallback's
                 attrs.get("batch_first"),
                 attrs.get("has_relative_attention_bias"),
             )

@@ -15,6 +15,7 @@ per example, in whatever form is cheapest (see :mod:`gradkit.per_example._grads`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,9 +261,12 @@ def find_rule(module: nn.Module) -> Rule | None:
     written for (Hugging Face's ``BartScaledWordEmbedding`` scales ``nn.Embedding``'s lookup):
     it gets no inherited rule (None: the exact fallback) unless a rule is registered for it.
     Nor does a module whose parameters are not the tensors its forward uses (see
-    :func:`reparametrized`).
+    :func:`reparametrized`), nor one whose ``forward`` was replaced on the instance
+    (``layer.forward = ...``, as Accelerate's hooks do): its calls run that function, not its
+    class's (a Linear whose forward doubled its output had its second moment read 4x too
+    small by the Linear rule).
     """
-    if reparametrized(module):
+    if "forward" in module.__dict__ or reparametrized(module):
         return None
     kind = type(module)
     for cls in kind.__mro__:
@@ -274,12 +278,19 @@ def find_rule(module: nn.Module) -> Rule | None:
 
 def reparametrized(module: nn.Module) -> bool:
     """Whether ``module``'s forward uses tensors computed from its parameters at each call:
-    ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``orthogonal``, ...) or
-    the hook-based ``weight_norm`` and ``spectral_norm``. A rule reads the layer's weight as a
-    parameter, which it is not there; the fallback differentiates the whole module."""
+    ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm``, ``orthogonal``, ...),
+    the hook-based ``weight_norm`` and ``spectral_norm``, or ``torch.nn.utils.prune`` (``weight
+    = weight_orig * weight_mask``). A rule reads the layer's weight as a parameter, which it is
+    not there; the fallback differentiates the whole module."""
     if _parametrized(module):
         return True
-    return bool({"WeightNorm", "SpectralNorm"} & _pre_hook_kinds(module))
+    hooks = module._forward_pre_hooks
+    if not hooks:
+        return False
+    if {"WeightNorm", "SpectralNorm"} & _pre_hook_kinds(module):
+        return True
+    prune = sys.modules.get("torch.nn.utils.prune")  # not imported: nothing was pruned
+    return prune is not None and any(isinstance(h, prune.BasePruningMethod) for h in hooks.values())
 
 
 def power_iteration(module: nn.Module) -> bool:
