@@ -509,6 +509,54 @@ def test_a_forward_replaced_on_the_instance_is_not_its_class_s():
     torch.testing.assert_close(stats.batch_l2(), norms, rtol=1e-10, atol=0)
 
 
+def test_a_forward_replaced_on_the_class_after_its_rule_is_not_the_rule_s(monkeypatch):
+    """``nn.Linear.forward = ...`` after gradkit registered the Linear rule: every Linear runs
+    that function now, not the one the rule reads; the exact fallback differentiates it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    original = nn.Linear.forward
+    monkeypatch.setattr(
+        nn.Linear, "forward", lambda self, x: 2 * F.linear(x, self.weight, self.bias)
+    )
+    assert gradkit.per_example.find_rule(model[0]) is None
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    with track(model, "second_moment") as stats:
+        F.cross_entropy(model(x), y).backward()
+    for name, g in ref.items():
+        torch.testing.assert_close(
+            stats[name].second_moment, g.square().mean(0), rtol=1e-10, atol=0
+        )
+    monkeypatch.setattr(nn.Linear, "forward", original)
+    assert gradkit.per_example.find_rule(model[0]) is not None
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.stateless.functional_call` is deprecated")
+@pytest.mark.parametrize("how", ["functional_call", "stateless"])
+def test_a_call_with_substituted_parameters_is_refused(how):
+    """``functional_call(model, {"2.weight": 2 * w}, x)`` runs the layer with another tensor:
+    its rule would give the per-example gradients of that tensor (the second moment 4x too
+    large, silently). The same call with the model's own parameters is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    call = (
+        torch.func.functional_call
+        if how == "functional_call"
+        else torch.nn.utils.stateless.functional_call
+    )
+    refused = pytest.raises(GradkitError, match=r"parameter '2.weight'.*functional_call")
+    with track(model, "second_moment"), refused:
+        call(model, {"2.weight": 2 * model[2].weight}, (x,))
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    with track(model, "second_moment") as stats:
+        F.cross_entropy(call(model, dict(model.named_parameters()), (x,)), y).backward()
+    for name, g in ref.items():
+        torch.testing.assert_close(
+            stats[name].second_moment, g.square().mean(0), rtol=1e-10, atol=0
+        )
+
+
 def test_derived_quantities_match_definitions():
     torch.manual_seed(0)
     model = nn.Linear(3, 2).double()

@@ -71,6 +71,8 @@ class RuleContext:
 
 Rule = Callable[[nn.Module, list[Use], RuleContext], dict[str, PerExampleGrad]]
 _RULES: dict[type, Rule] = {}
+_FORWARDS: dict[type, Any] = {}
+"""Each class with a rule -> its ``forward`` when the rule was registered (:func:`find_rule`)."""
 
 
 def builtin(rule: Rule) -> bool:
@@ -168,6 +170,7 @@ def register_rule(*module_types: type, overwrite: bool = False) -> Callable[[Rul
                     )
                 )
             _RULES[t] = rule
+            _FORWARDS[t] = getattr(t, "forward", None)
         return rule
 
     return decorate
@@ -262,17 +265,21 @@ def find_rule(module: nn.Module) -> Rule | None:
     it gets no inherited rule (None: the exact fallback) unless a rule is registered for it.
     Nor does a module whose parameters are not the tensors its forward uses (see
     :func:`reparametrized`), nor one whose ``forward`` was replaced on the instance
-    (``layer.forward = ...``, as Accelerate's hooks do): its calls run that function, not its
-    class's (a Linear whose forward doubled its output had its second moment read 4x too
-    small by the Linear rule).
+    (``layer.forward = ...``, as Accelerate's hooks do) or on the class after its rule was
+    registered (``nn.Linear.forward = ...``): its calls run that function, not the one the rule
+    reads (a Linear whose forward doubled its output had its second moment read 4x too small by
+    the Linear rule).
     """
     if "forward" in module.__dict__ or reparametrized(module):
         return None
     kind = type(module)
+    forward = getattr(kind, "forward", None)
     for cls in kind.__mro__:
         if cls in _RULES:
-            same = getattr(kind, "forward", None) is getattr(cls, "forward", None)
-            return _RULES[cls] if same else None
+            # the forward the rule was written for: the class's when it was registered (a
+            # forward replaced on the class since, `nn.Linear.forward = ...`, is another one)
+            written_for = _FORWARDS.get(cls, getattr(cls, "forward", None))
+            return _RULES[cls] if forward is written_for else None
     return None
 
 

@@ -111,6 +111,7 @@ from gradkit.per_example._capture import (
     refuse_batchnorm,
     refuse_cached_parametrization,
     refuse_hook_before,
+    refuse_substituted,
     rule_view,
 )
 from gradkit.per_example._edge_mean import EdgeMean
@@ -549,11 +550,14 @@ class Tracker(TrackerResults):
             live = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if self._in_rule or not live:
                 return None  # a rule re-running the forward (vmap fallback), or no backward
+            own = module._parameters
             for k, p in st.params.items():  # frozen or cast since the block began
                 if not p.requires_grad or p.dtype is not st.dtypes[k]:
                     check_still_trainable(st)
                     self._recast(st)
-                    break
+                # substituted for the call (FSDP2 gathers its sharded parameters: its own)
+                if own.get(k, p) is not p and not is_dtensor(p):
+                    refuse_substituted(st, k)
             if st.hook_id is not None and next(iter(module._forward_hooks)) != st.hook_id:
                 refuse_hook_before(st)
             if st.parametrized:
