@@ -557,6 +557,14 @@ def test_a_call_with_substituted_parameters_is_refused(how):
         )
 
 
+def test_a_parameter_removed_inside_the_block_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    refused = pytest.raises(GradkitError, match=r"parameter '2.bias'.*removed from the module")
+    with track(model, "variance"), refused:
+        model[2].bias = None
+        model(torch.randn(5, 3, dtype=D))
+
+
 def test_derived_quantities_match_definitions():
     torch.manual_seed(0)
     model = nn.Linear(3, 2).double()

@@ -360,22 +360,27 @@ def check_still_trainable(st: ModuleState) -> None:
         )
 
 
-def refuse_substituted(st: ModuleState, local: str) -> None:
+def refuse_substituted(st: ModuleState, local: str, held: Any) -> None:
     """Refuse a call of a module that runs with another tensor than its tracked parameter
     ``local`` (``torch.func.functional_call`` or ``torch.nn.utils.stateless`` with
     substituted parameters, a ``DataParallel`` replica): the rule gives the per-example
     gradients of that tensor, not of the parameter (a substituted ``2 * weight`` made the
     second moment 4x too large, a constant one gave a nonzero moment to a parameter the loss
-    does not reach)."""
+    does not reach), or without it (removed since ``track()``)."""
     name = f"{st.name}.{local}" if st.name else local
+    got = (
+        "a call without it (removed from the module after track() was called)"
+        if held is None
+        else "a call with another tensor in its place (torch.func.functional_call or "
+        "torch.nn.utils.stateless with substituted parameters, a DataParallel replica): "
+        "the statistics would be those of that tensor"
+    )
     raise GradkitError(
         message(
             "per_example.track(model, ...)",
             f"parameter {name!r}",
             f"calls of {st.label} with that parameter itself",
-            "a call with another tensor in its place (torch.func.functional_call or "
-            "torch.nn.utils.stateless with substituted parameters, a DataParallel replica): "
-            "the statistics would be those of that tensor",
+            got,
             "call the model with its own parameters inside the track block (or substitute "
             "the same parameter objects), or track the module the substituted tensors belong to",
         )

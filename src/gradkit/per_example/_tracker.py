@@ -555,9 +555,11 @@ class Tracker(TrackerResults):
                 if not p.requires_grad or p.dtype is not st.dtypes[k]:
                     check_still_trainable(st)
                     self._recast(st)
-                # substituted for the call (FSDP2 gathers its sharded parameters: its own)
-                if own.get(k, p) is not p and not is_dtensor(p):
-                    refuse_substituted(st, k)
+                # substituted for the call or removed (FSDP2 gathers its sharded parameters:
+                # its own); a fallback's dotted names are its children's
+                held = own.get(k)
+                if held is not p and (held is not None or "." not in k) and not is_dtensor(p):
+                    refuse_substituted(st, k, held)
             if st.hook_id is not None and next(iter(module._forward_hooks)) != st.hook_id:
                 refuse_hook_before(st)
             if st.parametrized:
