@@ -557,6 +557,100 @@ def test_a_call_with_substituted_parameters_is_refused(how):
         )
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_replaced_torch_functional_gets_the_fallback(monkeypatch, layer):
+    """``torch.nn.functional.linear = ...`` (DeepSpeed's ZeRO-3 does it) changes what every
+    ``nn.Linear`` computes: the Linear rule would read its input and output gradient as if the
+    layer computed ``x W^T + b`` (4.3 off for a replacement that doubles the weight). The layer
+    takes the exact fallback instead, also where a decision kept from before the replacement
+    exists, and gets its rule back when the original returns."""
+    torch.manual_seed(0)
+    if layer == "linear":
+        first, x = nn.Linear(3, 4), torch.randn(6, 3, dtype=D)
+        name, original = "linear", F.linear
+    else:
+        first, x = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()), torch.randn(6, 1, 4, 4, dtype=D)
+        name, original = "conv2d", F.conv2d
+    model = nn.Sequential(first, nn.Tanh(), nn.LazyLinear(2)).double()
+    model(x)
+    y = torch.randint(0, 2, (6,))
+
+    def second_moments() -> dict[str, torch.Tensor]:
+        with track(model, "second_moment") as stats:
+            F.cross_entropy(model(x), y).backward()
+        return {name: s.second_moment for name, s in stats.items()}
+
+    second_moments()  # a kept decision from before the replacement
+
+    def doubled(x, weight, *args, **kwargs):
+        return original(x, 2.0 * weight, *args, **kwargs)
+
+    monkeypatch.setattr(F, name, doubled)
+    layer_of = model[0] if layer == "linear" else model[0][0]
+    assert gradkit.per_example.find_rule(layer_of) is None
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    got = second_moments()
+    for key, g in ref.items():
+        assert_close(got[key], g.square().mean(0), rtol=1e-10, atol=1e-14)
+    monkeypatch.setattr(F, name, original)
+    assert gradkit.per_example.find_rule(layer_of) is not None
+
+
+@pytest.mark.parametrize("kwargs", [False, True])
+def test_a_global_forward_hook_that_replaces_a_layers_output_is_refused(kwargs):
+    """A global forward hook runs before the module's own hooks, the tracker's among them: a
+    replaced output of a layer that a rule reads would be what the tracker differentiates (the
+    Linear rule's second moment 3.7 off). It is refused, by the hook's and the layer's name;
+    a global hook that returns None, or replaces the output of a module the fallback re-runs,
+    keeps the statistics exact; the hooks are given back unwrapped after the block."""
+    from torch.nn.modules.module import (
+        _global_forward_hooks,
+        _global_forward_hooks_with_kwargs,
+        register_module_forward_hook,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _Odd(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+
+    def doubling(module, *rest):
+        return 2.0 * rest[-1] if isinstance(module, nn.Linear) else None
+
+    def observer(module, *rest):
+        return None
+
+    handle = register_module_forward_hook(doubling, with_kwargs=kwargs)
+    try:
+        refused = r"output of 0 \(Linear\).*global forward hook .*doubling"
+        with pytest.raises(GradkitError, match=refused), track(model, "second_moment"):
+            model(x)
+        assert _global_forward_hooks[handle.id] is doubling
+    finally:
+        handle.remove()
+        _global_forward_hooks_with_kwargs.pop(handle.id, None)  # its handle leaves it (torch 2.13)
+
+    def odd_doubled(module, *rest):
+        return 2.0 * rest[-1] if isinstance(module, _Odd) else None
+
+    for hook in (observer, odd_doubled):
+        ref = per_example_grads(model, F.cross_entropy, x, y) if hook is observer else None
+        with track(model, "second_moment") as stats:
+            handle = register_module_forward_hook(hook)  # registered inside the block
+            try:
+                F.cross_entropy(model(x), y).backward()
+            finally:
+                handle.remove()
+        if ref is None:  # the loop with the hook registered
+            handle = register_module_forward_hook(hook)
+            try:
+                ref = per_example_grads(model, F.cross_entropy, x, y)
+            finally:
+                handle.remove()
+        for name, g in ref.items():
+            assert_close(stats[name].second_moment, g.square().mean(0), rtol=1e-10, atol=1e-14)
+    assert not _global_forward_hooks
+
+
 def test_a_parameter_removed_inside_the_block_is_refused():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     refused = pytest.raises(GradkitError, match=r"parameter '2.bias'.*removed from the module")

@@ -241,6 +241,22 @@ def test_a_registered_rule_changes_the_plan(monkeypatch):
     assert rule_of_doubler() is vmap_rule
 
 
+def test_a_replaced_functional_changes_the_plan(monkeypatch):
+    model = _model()
+
+    def rules():
+        return [st.rule for st in _planned(model)]
+
+    kept = rules()
+    assert vmap_rule not in (kept[0], kept[-1])
+    original = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: original(x, w, b))
+    assert rules() == [st.rule for st in _fresh(model)]
+    assert rules()[0] is vmap_rule
+    monkeypatch.undo()
+    assert rules() == kept
+
+
 def test_arguments_are_part_of_the_plan():
     model = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=False).double()
     for batch_dim in (0, 1, {"": 1, "self_attn": 0}, 0):

@@ -15,7 +15,9 @@ when the model is as it was when the plan was made, by this test (:func:`_struct
 - the same parameter objects in each module's ``_parameters``, each with the same
   ``requires_grad``;
 - the same registry of rules (:func:`.register_rule`; a library whose rules
-  :func:`.rules.register_available` adds was imported since), ``fallback`` and ``batch_dim``.
+  :func:`.rules.register_available` adds was imported since), the same ``torch.nn.functional``
+  functions their layers call (:func:`._registry.functionals`), ``fallback`` and
+  ``batch_dim``.
 
 Objects are compared by identity through weak references (an object that died is never taken
 for the new one that got its ``id``), and the plan holds nothing else of the model's: it never
@@ -37,7 +39,7 @@ from torch import nn
 
 from gradkit.per_example._capture import ModuleState, tracked_modules
 from gradkit.per_example._layout import inner_batch_dims
-from gradkit.per_example._registry import registered_rules
+from gradkit.per_example._registry import functionals, registered_rules
 from gradkit.per_example.rules import vmap_rule
 
 __all__ = ["planned_modules"]
@@ -126,6 +128,7 @@ def planned_modules(
     key = (
         summary,
         tuple(registered_rules().items()),
+        functionals(),
         fallback,
         batch_dim,
         tuple(sorted(given_dims.items())),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradkit._errors import GradkitError, describe, message
@@ -33,6 +34,7 @@ __all__ = [
     "Use",
     "check_result",
     "find_rule",
+    "functionals",
     "register_rule",
     "registered_rules",
 ]
@@ -73,6 +75,52 @@ Rule = Callable[[nn.Module, list[Use], RuleContext], dict[str, PerExampleGrad]]
 _RULES: dict[type, Rule] = {}
 _FORWARDS: dict[type, Any] = {}
 """Each class with a rule -> its ``forward`` when the rule was registered (:func:`find_rule`)."""
+
+_CALLS: dict[type, tuple[str, ...]] = {
+    nn.Linear: ("linear",),
+    nn.Conv1d: ("conv1d", "pad"),
+    nn.Conv2d: ("conv2d", "pad"),
+    nn.Conv3d: ("conv3d", "pad"),
+    nn.Embedding: ("embedding",),
+    nn.EmbeddingBag: ("embedding_bag",),
+    nn.LayerNorm: ("layer_norm",),
+    nn.GroupNorm: ("group_norm",),
+    nn.BatchNorm1d: ("batch_norm",),
+    nn.BatchNorm2d: ("batch_norm",),
+    nn.BatchNorm3d: ("batch_norm",),
+}
+"""The ``torch.nn.functional`` functions each ``torch.nn`` class with a built-in rule calls
+(looked up in that module at each call: a replacement there is what the layer computes)."""
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+    _CALLS[nn.RMSNorm] = ("rms_norm",)
+_CALLED_BY = {getattr(cls, "forward", None): names for cls, names in _CALLS.items()}
+_WATCHED = tuple(sorted({name for names in _CALLS.values() for name in names}))
+_TORCH_HOMES = ("torch", "torch._C._nn", "torch.nn.functional")
+
+
+def _own(name: str) -> Any:
+    """``torch.nn.functional.<name>`` as torch defines it, or None where it was already
+    replaced when gradkit was imported (a function of another module, or a wrapper)."""
+    f = getattr(F, name, None)
+    genuine = getattr(f, "__module__", None) in _TORCH_HOMES and not hasattr(f, "__wrapped__")
+    return f if genuine else None
+
+
+_ORIGINALS = {name: _own(name) for name in _WATCHED}
+
+
+def functionals() -> tuple[Any, ...]:
+    """The ``torch.nn.functional`` functions the built-in rules' layers call, as they are now
+    (part of what a kept decision of :mod:`._plan` depends on)."""
+    return tuple(getattr(F, name, None) for name in _WATCHED)
+
+
+def _replaced(forward: Any) -> bool:
+    """Whether a ``torch.nn.functional`` function that ``forward`` (a ``torch.nn`` layer's,
+    inherited or not) calls was replaced (``F.linear = ...``, as DeepSpeed's ZeRO-3 does): the
+    layer computes what the replacement does, which a rule does not read."""
+    names = _CALLED_BY.get(forward, ())
+    return any(getattr(F, name, None) is not _ORIGINALS[name] for name in names)
 
 
 def builtin(rule: Rule) -> bool:
@@ -268,7 +316,9 @@ def find_rule(module: nn.Module) -> Rule | None:
     (``layer.forward = ...``, as Accelerate's hooks do) or on the class after its rule was
     registered (``nn.Linear.forward = ...``): its calls run that function, not the one the rule
     reads (a Linear whose forward doubled its output had its second moment read 4x too small by
-    the Linear rule).
+    the Linear rule), nor one whose forward calls a ``torch.nn.functional`` function that was
+    replaced (``torch.nn.functional.linear = ...``: a replacement that doubled the weight had
+    the Linear rule's second moment 4.3 off).
     """
     if "forward" in module.__dict__ or reparametrized(module):
         return None
@@ -279,7 +329,9 @@ def find_rule(module: nn.Module) -> Rule | None:
             # the forward the rule was written for: the class's when it was registered (a
             # forward replaced on the class since, `nn.Linear.forward = ...`, is another one)
             written_for = _FORWARDS.get(cls, getattr(cls, "forward", None))
-            return _RULES[cls] if forward is written_for else None
+            if forward is not written_for or _replaced(forward):
+                return None
+            return _RULES[cls]
     return None
 
 

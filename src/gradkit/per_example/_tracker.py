@@ -118,6 +118,7 @@ from gradkit.per_example._edge_mean import EdgeMean
 from gradkit.per_example._flat import flatten, unflatten
 from gradkit.per_example._flat import leaves as flat_leaves
 from gradkit.per_example._fused import WeightSum, fusable_call, fused_output
+from gradkit.per_example._global_hooks import unwatch, watch
 from gradkit.per_example._grads import Materialized, PerExampleGrad
 from gradkit.per_example._layout import (
     backward_roots,
@@ -139,6 +140,18 @@ __all__ = ["Tracker"]
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
 """The tracker of every module hooked by an active track block."""
+_GLOBAL_HOOKS = nn.modules.module._global_forward_hooks  # see ._global_hooks
+
+
+def _read_by_rule(module: nn.Module) -> str | None:
+    """The label of ``module`` where an active block's rule reads its output, else None."""
+    tracker = _ACTIVE.get(module)
+    if tracker is None or not tracker._active:
+        return None
+    for st in tracker._states:
+        if st.module is module and st.rule is not vmap_rule:
+            return st.label
+    return None
 
 
 def _parse_loss_scale(value: Any, call: str) -> float:
@@ -453,6 +466,8 @@ class Tracker(TrackerResults):
         self._active = True
         for st in self._states:
             _ACTIVE[st.module] = self
+        if _GLOBAL_HOOKS:
+            watch(_read_by_rule)
         try:
             eager = _eager
             for st in self._states:
@@ -498,6 +513,8 @@ class Tracker(TrackerResults):
             if _ACTIVE.get(st.module) is self:
                 del _ACTIVE[st.module]
         self._active = False
+        if not _ACTIVE and _GLOBAL_HOOKS:
+            unwatch()
         self._unbackwarded = 0
         self._reached.clear()
         self._model_calls.clear()
@@ -514,6 +531,8 @@ class Tracker(TrackerResults):
 
     def _model_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check_complete("per_example.track(model, ...)")
+        if _GLOBAL_HOOKS:  # registered inside the block
+            watch(_read_by_rule)
         self._model_calls.append(model_call(args, kwargs, self._batch_dim))
 
     def _model_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
