@@ -288,6 +288,59 @@ def test_a_forward_hook_that_replaces_a_layers_output_is_exact(layer):
         assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-12)
 
 
+class _Pair(nn.Module):
+    """A layer without a rule and with two outputs: the fallback reads both gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=D))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(x * self.w), x * self.w.square()
+
+
+class _HookedInside(nn.Module):
+    """A forward that hooks a tracked layer's output, changing the gradient that reaches the
+    layer's backward (as gradient scaling or reversal by a hook does)."""
+
+    def __init__(self, pair: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 4).double()
+        self.pair = _Pair() if pair else None
+        self.last = nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.pair is None:
+            if h.requires_grad:
+                h.register_hook(lambda g: -2.0 * g)
+            return self.last(torch.tanh(h))
+        a, b = self.pair(h)
+        if a.requires_grad:
+            a.register_hook(lambda g: -2.0 * g)
+        return self.last(a + b)
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_a_hook_on_a_layers_output_inside_the_forward_is_exact(pair):
+    """The model hooks a layer's output after the call: the gradient its backward gets, and so
+    ``p.grad`` and the mean, are the hook's. The tracker read the gradient before that hook
+    (its own ran first): the second moment 0.35 off the loop's, silently. It now reads what the
+    layer's node receives, after every hook on the output, for a rule and for the fallback's
+    several outputs."""
+    torch.manual_seed(0)
+    model = _HookedInside(pair)
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    with track(model, "variance", "batch_l2", loss_reduction="sum") as stats:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    for name, g in ref.items():
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-14)
+        assert_close(model.get_parameter(name).grad, g.sum(0), rtol=1e-10, atol=1e-14)
+    norms = sum(g.flatten(1).square().sum(1) for g in ref.values())
+    assert_close(stats.batch_l2(), norms, rtol=1e-10, atol=1e-14)
+
+
 def test_a_zero_dim_parameter_has_norms():
     """A 0-dim parameter (CLIP's logit_scale, a learned temperature): its per-example gradients
     are [N]; their norms used to fail with an IndexError in the middle of the backward."""
@@ -649,6 +702,31 @@ def test_a_global_forward_hook_that_replaces_a_layers_output_is_refused(kwargs):
         for name, g in ref.items():
             assert_close(stats[name].second_moment, g.square().mean(0), rtol=1e-10, atol=1e-14)
     assert not _global_forward_hooks
+
+
+class _DoubledOnLookup(nn.Linear):
+    """``self.weight`` is ``2 * weight``: ``nn.Module.__getattr__`` gives a module its
+    parameters, and this class overrides it."""
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        return 2.0 * value if name == "weight" else value
+
+
+def test_a_class_that_changes_attribute_lookup_gets_the_fallback():
+    """The Linear rule reads the parameter, the forward ``self.weight``: a class whose
+    ``__getattr__`` returns another tensor for it had its second moment 0.34 off, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_DoubledOnLookup(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    assert gradkit.per_example.find_rule(model[0]) is None
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    with track(model, "second_moment", "batch_l2") as stats:
+        F.cross_entropy(model(x), y).backward()
+    for name, g in ref.items():
+        assert_close(stats[name].second_moment, g.square().mean(0), rtol=1e-10, atol=1e-14)
+    norms = sum(g.flatten(1).square().sum(1) for g in ref.values())
+    assert_close(stats.batch_l2(), norms, rtol=1e-10, atol=1e-14)
 
 
 def test_a_parameter_removed_inside_the_block_is_refused():

@@ -318,11 +318,16 @@ def find_rule(module: nn.Module) -> Rule | None:
     reads (a Linear whose forward doubled its output had its second moment read 4x too small by
     the Linear rule), nor one whose forward calls a ``torch.nn.functional`` function that was
     replaced (``torch.nn.functional.linear = ...``: a replacement that doubled the weight had
-    the Linear rule's second moment 4.3 off).
+    the Linear rule's second moment 4.3 off), nor one of a class that changes attribute lookup
+    (``__getattr__``, which gives a module its parameters, or ``__getattribute__``): its
+    ``self.weight`` may be another tensor than the parameter (a ``__getattr__`` returning
+    ``2 * weight`` had the Linear rule's second moment 0.34 off).
     """
     if "forward" in module.__dict__ or reparametrized(module):
         return None
     kind = type(module)
+    if _looks_up_otherwise(kind):
+        return None
     forward = getattr(kind, "forward", None)
     for cls in kind.__mro__:
         if cls in _RULES:
@@ -333,6 +338,14 @@ def find_rule(module: nn.Module) -> Rule | None:
                 return None
             return _RULES[cls]
     return None
+
+
+def _looks_up_otherwise(kind: type) -> bool:
+    """Whether ``kind`` overrides ``nn.Module``'s attribute lookup."""
+    return (
+        getattr(kind, "__getattr__", None) is not nn.Module.__getattr__
+        or kind.__getattribute__ is not object.__getattribute__
+    )
 
 
 def reparametrized(module: nn.Module) -> bool:

@@ -108,6 +108,7 @@ from gradkit.per_example._capture import (
     hook_target,
     in_backward,
     model_call,
+    on_gradient,
     refuse_batchnorm,
     refuse_cached_parametrization,
     refuse_hook_before,
@@ -795,14 +796,14 @@ class Tracker(TrackerResults):
         """Hook ``hooked`` (``output``, or its base: :func:`._capture.hook_target`) for the
         gradient w.r.t. ``output``."""
         if hooked is output:
-            output.register_hook(lambda g: self._on_output_grad(st, record, [g]))
+            on_gradient(output, lambda g: self._on_output_grad(st, record, [g]))
             if record.base is not None:  # a view of part of a tensor: read before its base
                 base = output._base
                 assert base is not None
                 base.register_hook(lambda g: self._check_read(record))
         else:  # the base of a view of all of it: its gradient, viewed
             shape = output.shape
-            hooked.register_hook(lambda g: self._on_output_grad(st, record, [g.reshape(shape)]))
+            on_gradient(hooked, lambda g: self._on_output_grad(st, record, [g.reshape(shape)]))
 
     def _fusable(self, st: ModuleState, args: tuple[Any, ...], output: Any) -> bool:
         """Whether this call's weight gradient can be summed from the per-example gradients
