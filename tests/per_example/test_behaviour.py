@@ -341,6 +341,23 @@ def test_a_hook_on_a_layers_output_inside_the_forward_is_exact(pair):
     assert_close(stats.batch_l2(), norms, rtol=1e-10, atol=1e-14)
 
 
+def test_a_hook_on_a_parameter_changes_p_grad_not_the_statistics():
+    """A parameter's own hook scales what autograd adds to ``p.grad``, not the derivative: the
+    statistics are those of ``d l_i / d theta``, as the one-example loop's, the documented
+    definition (the mean is then not ``p.grad / N``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].weight.register_hook(lambda g: 3.0 * g)
+    x, y = torch.randn(6, 3, dtype=D), torch.randint(0, 2, (6,))
+    ref = per_example_grads(model, F.cross_entropy, x, y)
+    with track(model, "variance", loss_reduction="sum") as stats:
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+    for name, g in ref.items():
+        assert_close(stats[name].mean, g.mean(0), rtol=1e-10, atol=1e-14)
+        assert_close(stats[name].variance, g.var(0, unbiased=False), rtol=1e-10, atol=1e-14)
+    assert_close(model[0].weight.grad, 3.0 * ref["0.weight"].sum(0), rtol=1e-10, atol=1e-14)
+
+
 def test_a_zero_dim_parameter_has_norms():
     """A 0-dim parameter (CLIP's logit_scale, a learned temperature): its per-example gradients
     are [N]; their norms used to fail with an IndexError in the middle of the backward."""
