@@ -730,9 +730,18 @@ class _DoubledOnLookup(nn.Linear):
         return 2.0 * value if name == "weight" else value
 
 
-def test_a_class_that_changes_attribute_lookup_gets_the_fallback():
+def test_a_class_that_changes_attribute_lookup_gets_the_fallback(monkeypatch):
     """The Linear rule reads the parameter, the forward ``self.weight``: a class whose
-    ``__getattr__`` returns another tensor for it had its second moment 0.34 off, silently."""
+    ``__getattr__`` returns another tensor for it had its second moment 0.34 off, silently. A
+    rule registered for the class itself is written for its lookup, and kept."""
+    from gradkit.per_example import _registry
+
+    def own_rule(module, uses, ctx):  # pragma: no cover - only its identity is compared
+        raise AssertionError
+
+    monkeypatch.setitem(_registry._RULES, _DoubledOnLookup, own_rule)
+    assert gradkit.per_example.find_rule(_DoubledOnLookup(3, 4)) is own_rule
+    monkeypatch.undo()
     torch.manual_seed(0)
     model = nn.Sequential(_DoubledOnLookup(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     assert gradkit.per_example.find_rule(model[0]) is None

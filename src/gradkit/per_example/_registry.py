@@ -318,33 +318,32 @@ def find_rule(module: nn.Module) -> Rule | None:
     reads (a Linear whose forward doubled its output had its second moment read 4x too small by
     the Linear rule), nor one whose forward calls a ``torch.nn.functional`` function that was
     replaced (``torch.nn.functional.linear = ...``: a replacement that doubled the weight had
-    the Linear rule's second moment 4.3 off), nor one of a class that changes attribute lookup
-    (``__getattr__``, which gives a module its parameters, or ``__getattribute__``): its
-    ``self.weight`` may be another tensor than the parameter (a ``__getattr__`` returning
-    ``2 * weight`` had the Linear rule's second moment 0.34 off).
+    the Linear rule's second moment 4.3 off), nor a subclass that changes attribute lookup
+    (``__getattr__``, which gives a module its parameters, or ``__getattribute__``) from the
+    class with the rule: its ``self.weight`` may be another tensor than the parameter (a
+    ``__getattr__`` returning ``2 * weight`` had the Linear rule's second moment 0.34 off).
     """
     if "forward" in module.__dict__ or reparametrized(module):
         return None
     kind = type(module)
-    if _looks_up_otherwise(kind):
-        return None
     forward = getattr(kind, "forward", None)
     for cls in kind.__mro__:
         if cls in _RULES:
             # the forward the rule was written for: the class's when it was registered (a
             # forward replaced on the class since, `nn.Linear.forward = ...`, is another one)
             written_for = _FORWARDS.get(cls, getattr(cls, "forward", None))
-            if forward is not written_for or _replaced(forward):
+            if forward is not written_for or _replaced(forward) or _looks_up(kind, cls):
                 return None
             return _RULES[cls]
     return None
 
 
-def _looks_up_otherwise(kind: type) -> bool:
-    """Whether ``kind`` overrides ``nn.Module``'s attribute lookup."""
+def _looks_up(kind: type, cls: type) -> bool:
+    """Whether ``kind`` looks attributes up otherwise than ``cls``, the class its rule was
+    registered for (a rule registered for a class reads that class's lookup)."""
     return (
-        getattr(kind, "__getattr__", None) is not nn.Module.__getattr__
-        or kind.__getattribute__ is not object.__getattribute__
+        getattr(kind, "__getattr__", None) is not getattr(cls, "__getattr__", None)
+        or kind.__getattribute__ is not cls.__getattribute__
     )
 
 
