@@ -160,6 +160,14 @@ def _class_lookup(m, k=3):
     type(m[k]).__getattr__ = _lookup  # overridden: self.weight may be another tensor now
 
 
+def _attribute(self, name):
+    return object.__getattribute__(self, name)
+
+
+def _class_attribute(m, k=3):
+    type(m[k]).__getattribute__ = _attribute
+
+
 def _relative_bias(m):
     m[1].relative_attention_bias = nn.Embedding(4, 2).double()
     m[1].has_relative_attention_bias = False
@@ -185,6 +193,7 @@ CHANGES = {
     "a subclass": lambda m: setattr(m[3], "__class__", ScaledLinear),
     "a class's forward": (_own_class, _class_forward),
     "a class's __getattr__": (_own_class, _class_lookup),
+    "a class's __getattribute__": (_own_class, _class_attribute),
     "an instance's forward": lambda m: setattr(m[0], "forward", types.MethodType(_doubled, m[0])),
     "a hook named WeightNorm": lambda m: m[0].register_forward_pre_hook(WeightNorm()),
     "freeze a weight": lambda m: m[0].weight.requires_grad_(False),

@@ -9,9 +9,9 @@ when the model is as it was when the plan was made, by this test (:func:`_struct
 
 - the same module objects under the same names (``named_modules()``), each of the same class,
   in the same training mode, with the same children (a ``ParameterList`` its parent reads),
-  the same ``forward`` (its class's, and any set on the instance) and ``__getattr__`` (its
-  class's, which gives the forward its parameters), the same forward pre-hooks
-  (the hook-based weight and spectral norms), the same ``batch_first`` and T5-style
+  the same ``forward`` (its class's, and any set on the instance), ``__getattr__`` and
+  ``__getattribute__`` (its class's: they give the forward its parameters), the same forward
+  pre-hooks (the hook-based weight and spectral norms), the same ``batch_first`` and T5-style
   ``has_relative_attention_bias`` attributes;
 - the same parameter objects in each module's ``_parameters``, each with the same
   ``requires_grad``;
@@ -92,6 +92,7 @@ def _structure(modules: Mapping[str, nn.Module]) -> tuple[tuple[Any, ...], list[
                 tuple(p is not None and p.requires_grad for p in params.values()),
                 getattr(type(module), "forward", None),  # a rule is for its class's forward
                 getattr(type(module), "__getattr__", None),  # gives the forward its parameters
+                type(module).__getattribute__,
                 attrs.get("forward"),  # replaced on the instance: the fallback's
                 attrs.get("batch_first"),
                 attrs.get("has_relative_attention_bias"),
