@@ -3,10 +3,11 @@ statistics inside the usual backward pass.
 
 How it works, once per tracked module (a module with parameters of its own that require grad):
 
-1. A forward hook keeps the module's inputs and installs a tensor hook on its output (tensor
-   hooks see the gradient w.r.t. the output even when an in-place activation follows, where
-   ``register_full_backward_hook`` breaks; an output that is a view, as a Linear's on
-   sequences, is hooked through its base: see :func:`._capture.hook_target`). It also finds,
+1. A forward hook keeps the module's inputs and installs a pre-hook on the node that computed
+   its output (:func:`._capture.on_gradient`: it sees the gradient w.r.t. the output even when
+   an in-place activation follows, where ``register_full_backward_hook`` breaks, and after any
+   hook the model puts on the output; an output that is a view, as a Linear's on sequences, is
+   hooked through its base: see :func:`._capture.hook_target`). It also finds,
    in the graph the forward just built, the edges through which the gradient reaches each
    parameter, and hooks them: the sum of the individual gradients of this pass (the mean) is
    read there, for free and exactly, without any term the loss adds outside the module (a
