@@ -16,6 +16,7 @@ import torch
 import gradkit
 from gradkit._bench import _parser, main
 from gradkit._bench._case import Settings, run_case
+from gradkit._bench._per_example_hand import hand_written
 from gradkit._bench._per_example_problems import make_problem
 from gradkit._bench._per_example_runner import Runner, Variant
 from gradkit._bench.per_example import (
@@ -97,6 +98,15 @@ def test_per_example_suite_smoke(tmp_path, capsys):
             for peer, installed in PEERS.items():
                 assert (peer in methods) == installed, (case["key"], peer)
         _check_peers(case)
+        # the hand-written reference: on the nn.Sequential models, never a peer
+        assert ("hand" in methods) == (not case["key"].startswith("gpt2")), case["key"]
+        if "hand" in methods:
+            assert methods["hand"]["agree"] is True
+            hand = methods["hand"]["label"]
+            by_name = {t["name"]: t for t in case["targets"]}
+            assert by_name["gradkit / the fastest peer"]["denominator"] != hand
+            assert by_name["gradkit / hand-written (no goal)"]["denominator"] == hand
+            assert by_name["gradkit / hand-written (no goal)"]["pass"] is None
         assert case["targets"][0]["name"].startswith("gradkit ")
         for t in case["targets"]:
             assert t["ratio"] > 0
@@ -109,6 +119,43 @@ def test_per_example_suite_smoke(tmp_path, capsys):
     assert "| method | x baseline |" in markdown
     assert "Numerical agreement: all results agree." in markdown
     assert "## Summary" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", ["mlp", "seq", "3c3d", "cnn"])
+def test_the_hand_written_reference_agrees_with_the_loop(key):
+    """The hand-written method computes every quantity the suite asks, as the float64
+    one-example-at-a-time loop does (a reference the speed goals are measured against)."""
+    p = make_problem(key, 0, batch=5)
+    p.model.double()
+    p.x = p.x.double()
+    if p.y.is_floating_point():
+        p.y = p.y.double()
+    grads = list(gradkit.testing.per_example_grads(p.model, p.loss_fn, p.x, p.y).values())
+    expected = {
+        "batch_grad": grads,
+        "second_moment": [g.square().mean(0) for g in grads],
+        "variance": [g.var(0, unbiased=False) for g in grads],
+        "batch_l2": sum(g.flatten(1).square().sum(1) for g in grads),
+    }
+    for quantity in quantities(key):
+        label, step = hand_written(p, quantity)
+        assert label.startswith("hand-written")
+        for _ in range(2):  # the second call reuses the per-example gradients' buffers
+            got, want = step(), expected[quantity]
+            if quantity == "batch_l2":
+                got, want = [got], [want]
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_the_hand_written_reference_covers_plain_sequential_models_only():
+    assert hand_written(make_problem("mlp", 0, 2), "variance") is not None
+    p = make_problem("mlp", 0, 2)
+    p.model = torch.nn.ModuleList(list(p.model))  # not a Sequential: no hand-written forward
+    assert hand_written(p, "variance") is None
+    p = make_problem("cnn", 0, 2)
+    p.model[0].groups = 2  # a grouped convolution: not covered
+    assert hand_written(p, "variance") is None
 
 
 def test_quick_runs_time_plain_and_gradkit_only():

@@ -16,6 +16,7 @@ from torch.func import functional_call, grad, vmap
 
 import gradkit
 from gradkit._bench._case import flat, quiet
+from gradkit._bench._per_example_hand import hand_written
 from gradkit._bench._per_example_problems import WORDS, Problem
 
 __all__ = ["Runner", "Variant", "error_of", "parts", "reference", "relative"]
@@ -252,6 +253,9 @@ class Runner:
             out["backpack"] = self._backpack_variant(quantity)
         out.update(self._opacus_variants(quantity))
         if self.peers:
+            hand = hand_written(p, quantity)
+            if hand is not None:  # a reference, not a peer (see _per_example_hand)
+                out["hand"] = Variant(*hand)
             naive = "" if quantity == "batch_grad" else f" + naive {WORDS[quantity]}"
             out["torch_func"] = Variant(
                 f"torch.func vmap(grad) per-example grads{naive}",
