@@ -16,10 +16,10 @@ input unfolded into its ``T`` patches):
 * the mean is ``p.grad`` (over ``N`` for a sum loss), the variance ``second moment - mean^2``
   clamped at 0, as every method computes it.
 
-It is what the suite's speed goals can be measured against: the same products as gradkit and
-autograd's own weight gradient, with none of gradkit's hooks, checks and bookkeeping, and
-without gradkit's fusion (the weight gradient as the sum of per-example gradients computed
-anyway). It is not a peer: no target compares gradkit with it.
+It is what the suite's speed goals can be measured against: the products gradkit runs, with
+autograd's own weight gradient instead of gradkit's fusion (the weight gradient as the sum of
+per-example gradients computed anyway) and none of gradkit's hooks, checks and bookkeeping. It
+is not a peer: no target compares gradkit with it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradkit._bench._per_example_problems import Problem
+from gradkit._bench._per_example_problems import Problem, _positional
 
 __all__ = ["hand_written"]
 
@@ -63,7 +63,7 @@ def hand_written(p: Problem, quantity: str) -> tuple[str, Callable[[], Any]] | N
     """The label and call of the hand-written ``quantity`` for ``p``, or None for a model it
     does not cover (anything but a plain ``nn.Sequential`` of the layers above)."""
     model = p.model
-    if not _supported(model) or p.call.__name__ != "_positional":
+    if not _supported(model) or p.call is not _positional:  # called as model(x)
         return None
     layers: list[Any] = list(model.children())
     n = p.n
