@@ -216,6 +216,45 @@ def test_a_division_written_in_python_is_not_read_as_a_mean():
     check_stats(stats, {k: g / 6 for k, g in ref.items()})
 
 
+def test_unequal_micro_batches_summed_over_the_total_count_give_the_large_batch():
+    """The documented recipe for micro-batches of unequal sizes: each one's summed loss over
+    the total ``N`` (the same constant in every pass), declared ``loss_reduction="sum"``,
+    ``loss_scale=1/N``, gives the statistics of one pass over all ``N`` examples and the mean
+    gradient over them in ``p.grad``."""
+    net, x, t = model(), inputs(7), targets(7)
+    ref = per_example_grads(net, lambda o, y: F.cross_entropy(o, idx(y)), x, t)
+    net.zero_grad(set_to_none=True)
+    with track(net, "mean", "variance", "batch_grad", loss_reduction="sum", loss_scale=1 / 7) as s:
+        for part in (slice(0, 3), slice(3, 7)):
+            (F.cross_entropy(net(x[part]), idx(t[part]), reduction="sum") / 7).backward()
+    check_stats(s, ref)
+    assert_close(
+        {k: p.grad for k, p in net.named_parameters()},
+        {k: g.mean(0) for k, g in ref.items()},
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+def test_micro_batch_means_times_their_shares_give_the_scaled_gradients_statistics():
+    """Undeclared factors are not read (the engine has freed them before any tracked hook):
+    each micro-batch's mean times its share ``n_b / N`` gives the statistics of the
+    per-example gradients as backpropagated, ``n_b / N * g_i``, mixed over micro-batches, as
+    the documentation says (the reason for the recipe above)."""
+    net, x, t = model(), inputs(7), targets(7)
+    ref = per_example_grads(net, lambda o, y: F.cross_entropy(o, idx(y)), x, t)
+    shares = torch.tensor([3 / 7] * 3 + [4 / 7] * 4, dtype=D)
+    with track(net, "mean", "variance", "batch_grad") as s:
+        for part in (slice(0, 3), slice(3, 7)):
+            size = part.stop - part.start
+            (F.cross_entropy(net(x[part]), idx(t[part])) * size / 7).backward()
+    scaled = {k: g * shares.view(-1, *[1] * (g.dim() - 1)) for k, g in ref.items()}
+    check_stats(s, scaled)
+    variance = {k: s[k].variance for k in ref}
+    with pytest.raises(AssertionError):  # not the large batch's: the factors differ
+        assert_close(variance, {k: g.var(0, unbiased=False) for k, g in ref.items()})
+
+
 def test_per_example_losses_divided_by_the_batch_size_then_summed_are_a_mean():
     """A hand-written multilabel loss ``(per_example / N).sum()`` has the node chain of
     ``multilabel_soft_margin_loss(reduction='sum')`` with ``N`` for ``C``: a mean, not

@@ -57,7 +57,11 @@ def track(
             its ``get_scale()`` is read here, once: one block per optimizer step) or a
             positive number (``1 / k`` for ``(loss / k).backward()``). None: the statistics
             are those of the loss as backpropagated, scaled or not (a scaling cannot be
-            detected: the engine has run the scaling node before any tracked layer).
+            detected: the engine has run the scaling node before any tracked layer). Every
+            backward pass of the block must carry the same factor: a micro-batch's mean times
+            its share ``n_b / N`` does not (the statistics would mix differently scaled
+            gradients); sum each micro-batch's losses, divide by the total ``N`` and pass
+            ``loss_reduction="sum", loss_scale=1 / N`` (``docs/per_example.md``).
         batch_dim: the batch dimension of the model's inputs and of its layers' inputs and
             outputs, or a mapping from submodule names to it (``{"": 1, "head": 0}``: ``""``
             for the model's inputs, a name for that submodule and those inside it). Layers
