@@ -164,15 +164,15 @@ def _case(runner: Runner, quantity: str, grads: list[torch.Tensor], mode: str) -
                 f"raised {error}."
             )
     targets = [Target(f"gradkit {WORDS[quantity]} / plain", "gradkit", ("plain",), "<=", goal)]
+    kept = {m.key for m in methods}
     peers = tuple(m.key for m in methods if m.key not in ("plain", "gradkit", "hand"))
     if peers and not failed:
         targets.append(Target("gradkit / the fastest peer", "gradkit", peers, "<=", 1.0))
-    if "hand" in {m.key for m in methods} and not failed:
+    if "hand" in kept and not failed:
         targets.append(Target("gradkit / hand-written (no goal)", "gradkit", ("hand",)))
         notes.append(_HAND_NOTE)
     if mode == "quick":
         notes.append(_PEER_SKIP_QUICK)
-    kept = {m.key for m in methods}
     rescaled = p.reduction == "mean" or quantity == "second_moment"
     if "backpack" in kept and rescaled:
         notes.append(
